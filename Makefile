@@ -1,0 +1,24 @@
+# Set-up is one command on a fresh machine: `make run` or `make test` create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch is installed first so that the package's `torch>=2.6` installs nothing
+# more; a GPU user overrides this (e.g. TORCH_SPEC="torch" with a CUDA index).
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= What is a list comprehension?
+
+$(BIN)/toolkit: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+.PHONY: setup run test
+setup: $(BIN)/toolkit
+
+run: setup
+	$(BIN)/toolkit generate "$(PROMPT)"
+
+test: setup
+	$(BIN)/python -m pytest -q tests

@@ -1,0 +1,248 @@
+"""Batched sampling of one token per row of a logits batch.
+
+Order of operations (vLLM's): penalties -> greedy rows take the argmax -> temperature -> top-k ->
+top-p -> min-p -> sample. All per-row settings become [B, 1] tensors once per call, so every step is
+a handful of batched tensor ops whatever the mix of requests; the only host syncs are reading back
+the sampled ids (and the logprobs, when asked for).
+
+Sampling uses the exponential race: argmax(probs / E) with E ~ Exponential(1) i.i.d. picks token i
+with probability probs[i]. Its randomness is one noise row per request, so a seeded request draws
+its row from its own generator and gets the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token_id: logprob} for the top `params.logprobs` tokens plus the sampled one,
+    # or None when the request did not ask for logprobs.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None):
+        self.seed = seed
+        # Generators live on the device of the tensors they fill, which is only known from the
+        # logits, so both kinds are created on first use.
+        self._engine_generators: dict[torch.device, torch.Generator] = {}
+        self._request_seeds: dict[str, int] = {}
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def add_request(self, request_id: str, params: SamplingParams) -> None:
+        """Registers a request; a seeded one gets its own generator (made on its first step)."""
+        if params.seed is not None:
+            self._request_seeds[request_id] = params.seed
+            self._request_generators.pop(request_id, None)
+
+    def remove_request(self, request_id: str) -> None:
+        self._request_seeds.pop(request_id, None)
+        self._request_generators.pop(request_id, None)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+    ) -> SamplerOutput:
+        _check_batch(logits, request_ids, params, prompt_token_ids, output_token_ids)
+        # Every op below is out of place, so when the input already is float32 (and .to() returns
+        # it as is) the caller's logits are left untouched and double as the raw distribution.
+        raw_logits = logits.to(torch.float32)
+        processed = apply_penalties(raw_logits, params, prompt_token_ids, output_token_ids)
+        tokens = self._sample(processed, request_ids, params)
+        return SamplerOutput(
+            token_ids=tokens.tolist(),
+            logprobs=gather_logprobs(raw_logits, tokens, params),
+        )
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str],
+                params: list[SamplingParams]) -> torch.Tensor:
+        greedy = [p.is_greedy for p in params]
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(greedy):
+            return greedy_tokens
+        logits = apply_temperature(logits, params)
+        logits = apply_top_k_top_p(logits, params)
+        logits = apply_min_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        noise = self._exponential_noise(probs, request_ids, params)
+        random_tokens = probs.div(noise).argmax(dim=-1)
+        if not any(greedy):
+            return random_tokens
+        is_greedy = torch.tensor(greedy, device=logits.device)
+        return torch.where(is_greedy, greedy_tokens, random_tokens)
+
+    def _exponential_noise(self, probs: torch.Tensor, request_ids: list[str],
+                           params: list[SamplingParams]) -> torch.Tensor:
+        types = [p.sampling_type for p in params]
+        noise = torch.empty_like(probs)
+        if SamplingType.RANDOM in types:
+            noise.exponential_(generator=self._engine_generator(probs.device))
+        for row, (request_id, kind) in enumerate(zip(request_ids, types)):
+            if kind == SamplingType.RANDOM_SEED:
+                # One full-vocab draw per generated token: the generator's position depends
+                # only on how many tokens this request has produced.
+                noise[row].exponential_(generator=self._request_generator(request_id, probs.device))
+        # exponential_ can return exactly 0; a masked token would then score 0/0 = NaN, which
+        # argmax picks. A tiny floor keeps masked tokens at score 0.
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+    def _engine_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._engine_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self.seed is None:
+                generator.seed()  # non-deterministic, like an unseeded torch program
+            else:
+                generator.manual_seed(self.seed)
+            self._engine_generators[device] = generator
+        return generator
+
+    def _request_generator(self, request_id: str, device: torch.device) -> torch.Generator:
+        generator = self._request_generators.get(request_id)
+        if generator is None:
+            if request_id not in self._request_seeds:
+                raise KeyError(f"request {request_id!r} has a seed but was not given to "
+                               "Sampler.add_request")
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self._request_seeds[request_id])
+            self._request_generators[request_id] = generator
+        return generator
+
+
+def _check_batch(logits, request_ids, params, prompt_token_ids, output_token_ids) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    sizes = {len(request_ids), len(params), len(prompt_token_ids), len(output_token_ids)}
+    if sizes != {logits.shape[0]}:
+        raise ValueError(
+            f"batch of {logits.shape[0]} logits rows needs as many request_ids "
+            f"({len(request_ids)}), params ({len(params)}), prompt_token_ids "
+            f"({len(prompt_token_ids)}) and output_token_ids ({len(output_token_ids)})")
+
+
+def _row_tensor(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A per-row setting as a [B, 1] column that broadcasts over the vocab."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int,
+                  like: torch.Tensor) -> torch.Tensor:
+    """[B, V] count of each token id in each row's list, built with one scatter-add."""
+    counts = torch.zeros(len(token_lists), vocab_size, dtype=like.dtype, device=like.device)
+    lengths = torch.tensor([len(tokens) for tokens in token_lists])
+    if int(lengths.sum()) == 0:
+        return counts
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    cols = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    ones = torch.ones(len(cols), dtype=like.dtype, device=like.device)
+    counts.index_put_((rows.to(like.device), cols.to(like.device)), ones, accumulate=True)
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    prompt_token_ids: list[list[int]],
+                    output_token_ids: list[list[int]]) -> torch.Tensor:
+    """Repetition (HF/vLLM: prompt and output tokens), presence and frequency (OpenAI: output)."""
+    uses_repetition = [p.repetition_penalty != 1.0 for p in params]
+    uses_additive = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+    if not any(uses_repetition) and not any(uses_additive):
+        return logits
+    # Rows without a penalty contribute no tokens, so the counting work follows only the rows
+    # that need it; their all-zero counts leave their logits unchanged.
+    output_counts = _token_counts(
+        [out if rep or add else [] for out, rep, add in
+         zip(output_token_ids, uses_repetition, uses_additive)], logits.shape[1], logits)
+    if any(uses_repetition):
+        prompt_counts = _token_counts(
+            [prompt if rep else [] for prompt, rep in zip(prompt_token_ids, uses_repetition)],
+            logits.shape[1], logits)
+        seen = (prompt_counts + output_counts) > 0
+        penalty = _row_tensor([p.repetition_penalty for p in params], logits)
+        # Dividing a positive logit and multiplying a negative one both lower the token's odds.
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if any(uses_additive):
+        frequency = _row_tensor([p.frequency_penalty for p in params], logits)
+        presence = _row_tensor([p.presence_penalty for p in params], logits)
+        logits = logits - frequency * output_counts - presence * (output_counts > 0)
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    # Greedy rows divide by 1: their result comes from the argmax, and 0 would make NaNs.
+    temperature = _row_tensor([1.0 if p.is_greedy else p.temperature for p in params], logits)
+    return logits / temperature
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Masks to -inf the tokens outside each row's top-k, then outside the top-p nucleus."""
+    vocab_size = logits.shape[1]
+    # top_k >= vocab keeps everything; treating it as disabled spares the sort.
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    use_top_k = any(k < vocab_size for k in top_k)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if not use_top_k and not use_top_p:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1)  # ascending: the tail to cut comes first
+    if use_top_k:
+        kth_position = vocab_size - torch.tensor(top_k, device=logits.device).unsqueeze(1)
+        kth_largest = sorted_logits.gather(1, kth_position)
+        # Values tied with the k-th largest survive, as in HF and vLLM.
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
+    if use_top_p:
+        top_p = _row_tensor([p.top_p for p in params], logits)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop the low tail while its total mass stays <= 1 - top_p: what remains is the smallest
+        # set of most likely tokens holding at least top_p. The most likely token always stays.
+        drop = cumulative <= 1 - top_p
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Masks tokens whose probability is below min_p times the most likely token's."""
+    if not any(p.min_p > 0 for p in params):
+        return logits
+    min_p = _row_tensor([p.min_p for p in params], logits)
+    # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p): no softmax needed, and the
+    # ratio is the same before and after top-k/top-p renormalize. min_p = 0 gives log 0 = -inf,
+    # which masks nothing.
+    threshold = logits.max(dim=-1, keepdim=True).values + min_p.log()
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def gather_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor,
+                    params: list[SamplingParams]) -> list[dict[int, float] | None]:
+    """Raw model logprobs (no penalty or filter): the sampled token's plus each row's top ones."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    result: list[dict[int, float] | None] = [None] * len(params)
+    if not rows:
+        return result
+    row_index = torch.tensor(rows, device=raw_logits.device)
+    logprobs = raw_logits.index_select(0, row_index).log_softmax(dim=-1)
+    sampled = tokens.index_select(0, row_index).unsqueeze(1)
+    sampled_logprobs = logprobs.gather(1, sampled)
+    most = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
+    top_logprobs, top_ids = logprobs.topk(most, dim=-1)
+    # Whole tensors come back at once: no host round trip per value.
+    sampled, sampled_logprobs, top_logprobs, top_ids = (
+        t.tolist() for t in (sampled, sampled_logprobs, top_logprobs, top_ids))
+    for j, i in enumerate(rows):
+        k = params[i].logprobs
+        entry = {sampled[j][0]: sampled_logprobs[j][0]}
+        entry.update(zip(top_ids[j][:k], top_logprobs[j][:k]))
+        result[i] = entry
+    return result

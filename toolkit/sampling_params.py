@@ -1,0 +1,131 @@
+"""Per-request sampling settings, with vLLM's offline names and defaults.
+
+Validation happens once, here, so the sampler and the detokenizer can trust every field:
+an invalid value raises ValueError naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+# Temperatures below this are treated as greedy: dividing logits by a near-zero temperature
+# overflows float32 to inf and the softmax turns into NaN (vLLM uses the same threshold).
+_GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1  # drawn from the engine-wide generator
+    RANDOM_SEED = 2  # drawn from the request's own generator
+
+
+def _is_int(value) -> bool:
+    # bool is a subclass of int, but `top_k=True` is a bug, not a value.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._validate_counts()
+        self._validate_distribution()
+        self._validate_penalties()
+        self._validate_stops()
+
+    def _normalize(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        # -1 and 0 both mean "no top-k"; keep one spelling so consumers test a single value.
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _validate_counts(self) -> None:
+        _require(_is_int(self.n) and self.n >= 1, "n must be an int >= 1", self.n)
+        if self.max_tokens is not None:
+            _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
+                     "max_tokens must be None or an int >= 1", self.max_tokens)
+        _require(_is_int(self.min_tokens) and self.min_tokens >= 0,
+                 "min_tokens must be an int >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None:
+            _require(_is_int(self.logprobs) and self.logprobs >= 0,
+                     "logprobs must be None or an int >= 0", self.logprobs)
+        if self.seed is not None:
+            _require(_is_int(self.seed), "seed must be None or an int", self.seed)
+
+    def _validate_distribution(self) -> None:
+        _require(_is_number(self.temperature) and self.temperature >= 0,
+                 "temperature must be >= 0", self.temperature)
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1,
+                 "top_p must be in (0, 1]", self.top_p)
+        _require(_is_int(self.top_k) and self.top_k >= 0,
+                 "top_k must be 0 or -1 (disabled) or an int >= 1", self.top_k)
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1,
+                 "min_p must be in [0, 1]", self.min_p)
+
+    def _validate_penalties(self) -> None:
+        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+                 "repetition_penalty must be > 0", self.repetition_penalty)
+        _require(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                 "presence_penalty must be in [-2, 2]", self.presence_penalty)
+        _require(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                 "frequency_penalty must be in [-2, 2]", self.frequency_penalty)
+
+    def _validate_stops(self) -> None:
+        for s in self.stop:
+            # An empty stop string would match everywhere and end every request at once.
+            _require(isinstance(s, str) and s != "", "stop must hold non-empty strings", s)
+        for t in self.stop_token_ids:
+            _require(_is_int(t) and t >= 0, "stop_token_ids must hold ints >= 0", t)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+
+def _require(ok: bool, message: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{message}, got {value!r}")

@@ -1,0 +1,195 @@
+"""Model configuration: what the toolkit needs to know about a Hugging Face checkpoint.
+
+Configs are parsed by `transformers.AutoConfig`, which understands every spelling of every key
+(old `rope_theta`/`rope_scaling` and new `rope_parameters`, `torch_dtype` and `dtype`, ...).
+This module turns that into one flat, validated `ModelConfig`, and refuses options the model
+code does not implement instead of silently computing something else.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Architectures served by the dense decoder family in `toolkit.models.llama`.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# RoPE variants whose inverse frequencies do not depend on the sequence being run.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint asks for an architecture or option the toolkit does not implement."""
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    checkpoint_dtype: torch.dtype
+    hf_config: object  # the transformers PretrainedConfig, kept for RoPE and the TP plans
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count computed from the shapes (tied embeddings counted once)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.qkv_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        if self.o_bias:
+            attn += h
+        mlp = 3 * h * self.intermediate_size
+        if self.mlp_bias:
+            mlp += 2 * self.intermediate_size + h
+        norms = 2 * h + (2 * d if self.qk_norm else 0)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + norms) + embed + h
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # float32 checkpoints stay float32; like vLLM, 'auto' means "what the checkpoint says".
+        return checkpoint_dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(sorted(DTYPES))}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model_config(path: str | os.PathLike) -> ModelConfig:
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model folder {path}")
+    hf = AutoConfig.from_pretrained(path)
+    arch = _architecture(hf, path)
+    _check_supported_options(hf, arch)
+
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    dtype = getattr(hf, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype, torch.float32)
+    family = SUPPORTED_ARCHITECTURES[arch]
+    eos = hf.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    return ModelConfig(
+        path=str(path),
+        architecture=arch,
+        family=family,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        intermediate_size=hf.intermediate_size,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases and no o bias; Llama-style configs say it with attention_bias.
+        qkv_bias=True if family == "qwen2" else bool(getattr(hf, "attention_bias", False)),
+        o_bias=False if family == "qwen2" else bool(getattr(hf, "attention_bias", False)),
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        checkpoint_dtype=dtype,
+        hf_config=hf,
+        eos_token_ids=eos_ids,
+        bos_token_id=getattr(hf, "bos_token_id", None),
+    )
+
+
+def _architecture(hf, path) -> str:
+    archs = getattr(hf, "architectures", None) or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    named = ", ".join(archs) or "none named in config.json"
+    raise UnsupportedModelError(
+        f"unsupported architecture in {path}: {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _check_supported_options(hf, arch: str) -> None:
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{arch}: hidden_act={act!r} is not implemented (only 'silu')")
+    layer_types = getattr(hf, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise UnsupportedModelError(f"{arch}: layer types {other} (sliding window attention) are not implemented")
+    rope = rope_parameters(hf)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{arch}: rope_type={rope_type!r} is not implemented; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+
+
+def check_sliding_window(config: ModelConfig, max_model_len: int) -> None:
+    """A sliding window only changes results once a sequence is longer than the window."""
+    window = getattr(config.hf_config, "sliding_window", None)
+    if window is not None and window < max_model_len:
+        raise UnsupportedModelError(
+            f"{config.architecture}: sliding window attention (window {window}) is not implemented; "
+            f"use max_model_len <= {window} (got {max_model_len})"
+        )
+
+
+def rope_parameters(hf) -> dict:
+    params = getattr(hf, "rope_parameters", None)
+    if params is None:  # transformers 4.x spelling
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    return dict(params)
+
+
+def rope_inv_freq(hf) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scaling, computed by transformers' own RoPE functions."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = rope_parameters(hf).get("rope_type", "default")
+    if rope_type == "default":
+        base = rope_parameters(hf)["rope_theta"]
+        dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    return ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))

@@ -1,0 +1,43 @@
+"""Tokenizer, end-of-sequence ids and chat template, all through transformers from the checkpoint folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toolkit.config import ModelConfig
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer, or None when the folder has no tokenizer files (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(config: ModelConfig, tokenizer) -> frozenset[int]:
+    """What ends generation: generation_config.json first (as transformers' generate does), then config, tokenizer."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    if (Path(config.path) / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(config.path).eos_token_id
+        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    if not ids:
+        ids.update(config.eos_token_ids)
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer, but the model folder has no tokenizer files")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the model's tokenizer has no chat template; use generate() with plain prompts")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

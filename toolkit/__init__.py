@@ -1,0 +1,8 @@
+"""A small, torch.compile-centric LLM inference toolkit with vLLM's offline API."""
+
+from toolkit.engine import Engine, EngineConfig
+from toolkit.llm import LLM
+from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from toolkit.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Engine", "EngineConfig"]

@@ -82,7 +82,8 @@ def load_weights(
                     raise CheckpointError(
                         f"shape mismatch for {name!r} in {file.name}: checkpoint {tuple(tensor.shape)}, model {expected}"
                     )
-                set_module_tensor_to_device(model, name, device, value=tensor.to(dtype))
+                # dtype must be given: accelerate otherwise keeps the meta parameter's (float32) dtype.
+                set_module_tensor_to_device(model, name, device, value=tensor, dtype=dtype)
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
@@ -99,4 +100,4 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, ma
     model = build_model(config, max_positions)
     load_weights(model, config.path, dtype, device)
     model.tie_weights()
-    return model.to(device).eval()
+    return model.to(device).eval().requires_grad_(False)

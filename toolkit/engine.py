@@ -1,0 +1,319 @@
+"""The engine: one step = schedule -> prepare tensors -> forward -> sample -> update -> detokenize.
+
+The engine owns the glue between the rooms: requests come in with their sampling parameters,
+the scheduler decides which tokens run, the runner computes logits for the requests that sample,
+the sampler picks tokens, the scheduler appends them and checks stop tokens and lengths, and the
+detokenizer turns tokens into text and finds stop strings. Finished requests come out as
+`RequestOutput`s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduling import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from toolkit.config import ModelConfig, check_sliding_window, load_model_config, resolve_dtype
+from toolkit.detokenizer import IncrementalDetokenizer
+from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from toolkit.runner import ModelRunner
+from toolkit.sampler import Sampler
+from toolkit.sampling_params import SamplingParams
+from toolkit.tokenizer import eos_token_ids, load_tokenizer
+
+log = logging.getLogger("toolkit")
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str | torch.dtype = "auto"
+    device: str | None = None  # None: cuda when available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    enforce_eager: bool = False
+    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
+    scheduling_policy: str = "fcfs"
+    seed: int | None = 0
+    skip_tokenizer_init: bool = False
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+
+
+@dataclass
+class _Tracked:
+    """What the engine keeps per scheduled sequence, beside the scheduler's Request."""
+
+    request: Request
+    parent_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _Group:
+    """One user request: its n sequences and the output they become."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    children: list[str] = field(default_factory=list)
+    done: dict[int, CompletionOutput] = field(default_factory=dict)
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config: ModelConfig = load_model_config(config.model)
+        mc = self.model_config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(config.dtype, mc.checkpoint_dtype)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {mc.max_position_embeddings}"
+            )
+        check_sliding_window(mc, self.max_model_len)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
+        self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
+        backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.runner = ModelRunner(
+            mc,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            kv_cache_memory_fraction=config.kv_cache_memory_fraction,
+            enforce_eager=config.enforce_eager,
+            attention_backend=backend,
+        )
+        kv = self.runner.kv_spec
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=kv.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                policy=config.scheduling_policy,
+            )
+        )
+        self.sampler = Sampler(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._groups: dict[str, _Group] = {}
+        self._log_kv_cache()
+
+    def _log_kv_cache(self) -> None:
+        kv = self.runner.kv_spec
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token); "
+            "max concurrency at max_model_len %d: %.2f requests",
+            kv.num_blocks, kv.block_size, kv.num_tokens, kv.bytes / 2**20, kv.bytes_per_token,
+            self.max_model_len, kv.num_tokens / self.max_model_len,
+        )
+
+    # --- requests in -----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass prompts as {'prompt_token_ids': [...]}")
+        return self.tokenizer(prompt)["input_ids"]
+
+    def validate_prompt(self, prompt_token_ids: list[int], where: str = "prompt") -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"{where} is empty")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"{where} has {len(prompt_token_ids)} tokens, more than max_model_len {self.max_model_len}"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"{where} has token ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:5]}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids, f"prompt of request {request_id!r}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = _Group(request_id, prompt, list(prompt_token_ids), RequestMetrics(arrival_time=arrival))
+        self._groups[request_id] = group
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
+        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            # Each of the n sequences draws its own stream: a seeded request stays reproducible.
+            child_params = params if params.seed is None or index == 0 else _with_seed(params, params.seed + index)
+            req = Request(
+                request_id=child_id,
+                prompt_token_ids=list(prompt_token_ids),
+                max_tokens=max_tokens,
+                min_tokens=params.min_tokens,
+                stop_token_ids=stop_ids,
+                priority=priority,
+                arrival_time=arrival,
+            )
+            group.children.append(child_id)
+            self._tracked[child_id] = _Tracked(
+                req,
+                request_id,
+                index,
+                child_params,
+                None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params),
+                [] if params.logprobs is not None else None,
+            )
+            self.sampler.add_request(child_id, child_params)
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.get(request_id)
+        for child in list(group.children) if group else ():
+            if child in self._tracked:
+                self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+                self._finish_child(self._tracked[child].request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    # --- one step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns the user requests that finished in it."""
+        plan = self.scheduler.schedule()
+        finished: list[RequestOutput] = []
+        for req in plan.rejected:
+            finished += self._finish_child(req)
+        if not plan.scheduled:
+            if self.scheduler.has_unfinished() and not plan.rejected:
+                raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
+            return finished
+        now = time.monotonic()
+        for r in plan.scheduled:
+            metrics = self._groups[self._tracked[r.request_id].parent_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        sampled = self._run_model(plan)
+        done = self.scheduler.update(plan, sampled)
+        done += self._detokenize(sampled)
+        for req in done:
+            finished += self._finish_child(req)
+        return finished
+
+    def _run_model(self, plan: SchedulerOutput) -> dict[str, list[int]]:
+        inputs = self.runner.prepare(plan.scheduled)
+        logits = self.runner.execute(inputs)
+        ids = [r.request_id for r in plan.scheduled if r.samples]
+        if not ids:
+            return {}
+        reqs = [self._tracked[i].request for i in ids]
+        out = self.sampler(
+            logits,
+            ids,
+            [self._tracked[i].params for i in ids],
+            [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs],
+        )
+        now = time.monotonic()
+        for rid, token, lp in zip(ids, out.token_ids, out.logprobs):
+            tracked = self._tracked[rid]
+            metrics = self._groups[tracked.parent_id].metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            if tracked.logprobs is not None and lp is not None:
+                tracked.logprobs.append(lp)
+                tracked.cumulative_logprob += lp[token]
+        return {rid: [token] for rid, token in zip(ids, out.token_ids)}
+
+    def _detokenize(self, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append the new tokens' text; returns the requests a stop string has just finished."""
+        stopped = []
+        for rid, tokens in sampled.items():
+            tracked = self._tracked[rid]
+            detokenizer, req = tracked.detokenizer, tracked.request
+            if detokenizer is None:
+                continue  # token ids only: no text, no stop strings
+            stop = detokenizer.add_tokens(tokens)
+            if stop is None:
+                continue
+            if req.status.is_finished:
+                req.status = RequestStatus.FINISHED_STOPPED  # the stop string wins over a length cut
+            else:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                stopped.append(req)
+            req.stop_reason = stop
+        return stopped
+
+    def _finish_child(self, req: Request) -> list[RequestOutput]:
+        tracked = self._tracked.get(req.request_id)
+        if tracked is None or not req.status.is_finished:
+            return []
+        del self._tracked[req.request_id]
+        self.sampler.remove_request(req.request_id)
+        group = self._groups[tracked.parent_id]
+        group.done[tracked.index] = CompletionOutput(
+            index=tracked.index,
+            text=tracked.detokenizer.output_text if tracked.detokenizer else "",
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
+            logprobs=tracked.logprobs,
+            finish_reason=FINISH_REASONS[req.status],
+            stop_reason=req.stop_reason,
+        )
+        group.error = group.error or req.error
+        if len(group.done) < len(group.children):
+            return []
+        del self._groups[group.request_id]
+        group.metrics.finished_time = time.monotonic()
+        return [
+            RequestOutput(
+                request_id=group.request_id,
+                prompt=group.prompt,
+                prompt_token_ids=group.prompt_token_ids,
+                outputs=[group.done[i] for i in sorted(group.done)],
+                finished=True,
+                metrics=group.metrics,
+                error=group.error,
+            )
+        ]
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)

@@ -1,0 +1,107 @@
+"""`LLM`: vLLM's offline API over the engine, so switching is a change of import."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from toolkit.engine import Engine, EngineConfig
+from toolkit.outputs import RequestOutput
+from toolkit.sampling_params import SamplingParams
+from toolkit.tokenizer import render_chat
+
+log = logging.getLogger("toolkit")
+
+PromptType = str | dict
+
+
+class LLM:
+    def __init__(self, model: str, **engine_kwargs):
+        engine_kwargs.pop("tokenizer", None)  # vLLM accepts a separate tokenizer path; ours is the model folder
+        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        Every prompt is tokenized and validated before any work starts, so a bad prompt raises a
+        ValueError naming its index and nothing is lost half-way.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        ids = []
+        for i, ((text, token_ids), sp) in enumerate(zip(encoded, params)):
+            rid = str(self._counter)
+            self._counter += 1
+            self.engine.add_request(rid, token_ids, sp, prompt=text, priority=priority[i] if priority else 0)
+            ids.append(rid)
+        results = {out.request_id: out for out in self._run(len(ids), use_tqdm)}
+        return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": render_chat(self.engine.tokenizer, conv, add_generation_prompt, **(chat_template_kwargs or {}))}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _encode(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.engine.tokenize(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            text, token_ids = prompt["prompt"], self.engine.tokenize(prompt["prompt"])
+        else:
+            raise ValueError(f"prompt {index} must be a string or a dict with 'prompt' or 'prompt_token_ids'")
+        self.engine.validate_prompt(token_ids, f"prompt {index}")
+        return text, token_ids
+
+    @staticmethod
+    def _params_per_prompt(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling_params for {n} prompts; pass one, or one per prompt")
+        return params
+
+    def _run(self, total: int, use_tqdm: bool) -> Iterable[RequestOutput]:
+        columns = (
+            TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(), TimeRemainingColumn(),
+        )
+        with Progress(*columns, disable=not use_tqdm, transient=True) as progress:
+            task = progress.add_task("generate", total=total, rate="")
+            tokens = 0
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    tokens += sum(len(c.token_ids) for c in out.outputs)
+                    elapsed = progress.tasks[0].elapsed or 1e-9
+                    progress.update(task, advance=1, rate=f"{tokens / elapsed:.0f} tok/s")
+                    yield out

@@ -1,0 +1,156 @@
+"""The model runner: owns the model and its KV cache, turns a scheduled step into tensors, runs it.
+
+Host work per step is a handful of numpy operations over the whole batch (no per-token Python
+loops). The forward is `torch.compile`d with `fullgraph=True` unless `enforce_eager`; the packed
+token count is padded up to a bucket so the number of distinct shapes stays small.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attention import AttentionMetadata, allocate_kv_cache, available_memory_bytes, kv_cache_bytes_per_token
+from scheduling import ScheduledRequest
+from toolkit.config import ModelConfig
+from toolkit.weights import load_model
+
+log = logging.getLogger("toolkit")
+
+# Packed-token buckets for compiled steps: powers of two up to the largest step.
+MIN_BUCKET = 8
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T_padded]
+    positions: torch.Tensor  # [T_padded]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S]: the last packed token of each request that samples
+    num_tokens: int  # T before padding
+
+
+@dataclass
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        kv_cache_memory_bytes: int | None,
+        kv_cache_memory_fraction: float | None,
+        enforce_eager: bool,
+        attention_backend: str,
+    ):
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.attention_backend = attention_backend
+        start = time.perf_counter()
+        self.model = load_model(config, dtype, device, max_positions=max_model_len)
+        self.load_seconds = time.perf_counter() - start
+        self.kv_spec = self._size_kv_cache(
+            max_model_len, max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction
+        )
+        self.kv_caches = allocate_kv_cache(
+            config.num_layers, self.kv_spec.num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device
+        )
+        self.enforce_eager = enforce_eager
+        self.forward = self.model if enforce_eager else torch.compile(self.model, fullgraph=True, dynamic=True)
+
+    # --- KV cache sizing -------------------------------------------------------------------
+
+    def _size_kv_cache(self, max_model_len, max_num_seqs, budget_bytes, fraction) -> KVCacheSpec:
+        c = self.config
+        per_token = kv_cache_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        per_block = per_token * self.block_size
+        if budget_bytes is None:
+            if fraction is None:
+                # On a GPU the KV cache is the point of the free memory; on a CPU host memory is shared
+                # with everything else, so take less by default.
+                fraction = 0.9 if self.device.type == "cuda" else 0.3
+            budget_bytes = int(available_memory_bytes(self.device) * fraction)
+        # More blocks than max_num_seqs full-length requests can use would only waste memory.
+        useful = max_num_seqs * math.ceil(max_model_len / self.block_size)
+        num_blocks = min(budget_bytes // per_block, useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {budget_bytes} bytes holds no block of {self.block_size} tokens "
+                f"({per_block} bytes per block); raise kv_cache_memory_bytes"
+            )
+        return KVCacheSpec(int(num_blocks), self.block_size, per_token)
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        bs = self.block_size
+        q_lens = np.fromiter((len(r.token_ids) for r in scheduled), dtype=np.int64, count=len(scheduled))
+        starts = np.fromiter((r.start_position for r in scheduled), dtype=np.int64, count=len(scheduled))
+        seq_lens = starts + q_lens
+        num_tokens = int(q_lens.sum())
+        cu = np.zeros(len(scheduled) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        req_of_token = np.repeat(np.arange(len(scheduled)), q_lens)
+        positions = np.arange(num_tokens) - cu[req_of_token] + starts[req_of_token]
+
+        blocks_needed = (seq_lens + bs - 1) // bs
+        block_tables = np.zeros((len(scheduled), int(blocks_needed.max())), dtype=np.int64)
+        for i, r in enumerate(scheduled):
+            block_tables[i, : blocks_needed[i]] = r.block_table[: blocks_needed[i]]
+        slots = block_tables[req_of_token, positions // bs] * bs + positions % bs
+
+        sampled = np.fromiter((r.samples for r in scheduled), dtype=bool, count=len(scheduled))
+        logits_indices = cu[1:][sampled] - 1
+
+        input_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in scheduled), np.int64, num_tokens)
+        padded = num_tokens if self.enforce_eager else self._bucket(num_tokens)
+        pad = padded - num_tokens
+        if pad:
+            input_ids = np.concatenate([input_ids, np.zeros(pad, np.int64)])
+            positions = np.concatenate([positions, np.zeros(pad, np.int64)])
+            slots = np.concatenate([slots, np.full(pad, -1, np.int64)])
+
+        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dtype=dt, device=self.device)  # noqa: E731
+        meta = AttentionMetadata(
+            query_start_loc=to(cu, torch.int32),
+            seq_lens=to(seq_lens, torch.int32),
+            block_tables=to(block_tables, torch.int32),
+            slot_mapping=to(slots, torch.int64),
+            backend=self.attention_backend,
+        )
+        return StepInputs(to(input_ids, torch.int64), to(positions, torch.int64), meta, to(logits_indices, torch.int64), num_tokens)
+
+    def _bucket(self, n: int) -> int:
+        return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Float32 logits [S, V] for the requests that sample this step, in scheduled order."""
+        return self.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)

@@ -79,7 +79,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        write_kv(k, v, kv_cache, meta.slot_mapping, backend=meta.backend)
         out = paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(T, -1))
 

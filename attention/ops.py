@@ -1,0 +1,96 @@
+"""The attention ops as torch.library custom ops, and the public wrappers that pick a backend.
+
+Custom ops are opaque to torch.compile: the compiler sees only their fake (meta) implementations,
+so a model calling them traces with fullgraph=True, while the real implementations are free to use
+data-dependent Python (the torch reference calls .tolist()). The Triton ops are registered here too,
+but triton itself is imported only when one of them first runs, so the package imports without it.
+"""
+
+import torch
+
+from .metadata import AttentionMetadata
+from .reference import paged_attention_torch, write_kv_torch
+
+BACKENDS = ("torch", "triton")
+
+
+@torch.library.custom_op("toolkit::write_kv", mutates_args=("kv_cache",))
+def _write_kv_op(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    write_kv_torch(k, v, kv_cache, slot_mapping)
+
+
+@torch.library.custom_op("toolkit::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return paged_attention_torch(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+
+
+@torch.library.custom_op("toolkit::write_kv_triton", mutates_args=("kv_cache",))
+def _write_kv_triton_op(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    from . import triton_ops  # lazy: needs triton
+
+    triton_ops.write_kv_triton(k, v, kv_cache, slot_mapping)
+
+
+@torch.library.custom_op("toolkit::paged_attention_triton", mutates_args=())
+def _paged_attention_triton_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    from . import triton_ops  # lazy: needs triton
+
+    return triton_ops.paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+
+
+@_write_kv_op.register_fake
+@_write_kv_triton_op.register_fake
+def _write_kv_fake(k, v, kv_cache, slot_mapping) -> None:
+    return None
+
+
+@_paged_attention_op.register_fake
+@_paged_attention_triton_op.register_fake
+def _paged_attention_fake(q, kv_cache, query_start_loc, seq_lens, block_tables, scale):
+    # Both real implementations return a fresh contiguous tensor shaped and typed like q.
+    return q.new_empty(q.shape)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "torch"
+) -> None:
+    """Write k, v [T, Hkv, D] into kv_cache [2, N, block_size, Hkv, D] in place at slot_mapping [T].
+
+    Slot -1 marks a padding token, which is not written.
+    """
+    if backend == "triton":
+        torch.ops.toolkit.write_kv_triton(k, v, kv_cache, slot_mapping)
+    elif backend == "torch":
+        torch.ops.toolkit.write_kv(k, v, kv_cache, slot_mapping)
+    else:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the packed new tokens q [T, Hq, D] over each request's paged KV.
+
+    Request i's queries are the last q_len_i of its seq_len_i positions; its keys and values (already
+    written by write_kv) are read through its block table. Query head h uses kv head h // (Hq // Hkv).
+    Prefill chunks and decodes mix freely in one batch. Rows past query_start_loc[-1] are zeros.
+    Returns [T, Hq, D] in q's dtype; the softmax accumulates in float32.
+    """
+    args = (q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale)
+    if metadata.backend == "triton":
+        return torch.ops.toolkit.paged_attention_triton(*args)
+    if metadata.backend == "torch":
+        return torch.ops.toolkit.paged_attention(*args)
+    raise ValueError(f"unknown attention backend {metadata.backend!r}; expected one of {BACKENDS}")

@@ -1,0 +1,100 @@
+"""Torch reference for write_kv and paged_attention.
+
+This is the oracle every other backend is tested against, and also the production path on CPU,
+so it is written to be fast as well as plain: all decodes of a batch go through one gathered,
+masked scaled_dot_product_attention call, and each prefill chunk gets one call of its own.
+
+GQA is handled by folding: query head h uses kv head h // G (G = Hq // Hkv), so the G query heads
+of one kv head are contiguous and q viewed as [Hkv, G * q_len, D] attends to k, v [Hkv, S, D]
+with no copy of K/V per query head. On CPU this was measured faster than both enable_gqa and
+repeat_interleave (bf16 decode: ~7x faster than enable_gqa).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] into kv_cache [2, N, block_size, Hkv, D] at slot_mapping; -1 is skipped."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    # view (not reshape) so a non-contiguous cache fails loudly instead of writing into a copy.
+    k_slots = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    v_slots = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()  # index_copy_ wants int64 indices
+    k_slots.index_copy_(0, slots, k[valid].to(kv_cache.dtype))
+    v_slots.index_copy_(0, slots, v[valid].to(kv_cache.dtype))
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal varlen attention of q [T, Hq, D] over each request's cached context; see ops.paged_attention."""
+    out = q.new_zeros(q.shape)  # padding tokens past query_start_loc[-1] stay zero
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
+        if q_len < 0 or q_len > seq_len:
+            raise ValueError(f"request {i}: q_len {q_len} must be in [0, seq_len {seq_len}]")
+
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    if decodes:
+        _decode_batch(q, kv_cache, starts, lens, block_tables, decodes, scale, out)
+    for i, n in enumerate(q_lens):
+        if n > 1:
+            _prefill_chunk(q, kv_cache, starts[i], starts[i + 1], lens[i], block_tables[i], scale, out)
+    return out
+
+
+def _decode_batch(q, kv_cache, starts, lens, block_tables, requests, scale, out) -> None:
+    """All single-token requests at once: gather their blocks, pad to the longest, mask the rest."""
+    device = q.device
+    token_idx = torch.tensor([starts[i] for i in requests], device=device)
+    seq_lens = torch.tensor([lens[i] for i in requests], device=device)
+    max_len = max(lens[i] for i in requests)
+    tables = block_tables[torch.tensor(requests, device=device)]
+    k, v = _gather_context(kv_cache, tables, max_len)  # [Bd, Hkv, S, D]
+
+    num_reqs, num_kv_heads = k.shape[:2]
+    num_heads, head_dim = q.shape[1:]
+    # One query position per request, so the G query heads of a kv head are G rows with one mask.
+    qd = q[token_idx].view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    mask = torch.arange(max_len, device=device) < seq_lens[:, None]  # [Bd, S]
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    out[token_idx] = o.reshape(num_reqs, num_heads, head_dim)
+
+
+def _prefill_chunk(q, kv_cache, start, end, seq_len, block_table, scale, out) -> None:
+    """One request's chunk of q_len > 1 queries: the last q_len of its seq_len positions."""
+    device = q.device
+    q_len = end - start
+    num_heads, head_dim = q.shape[1:]
+    k, v = _gather_context(kv_cache, block_table[None], seq_len)  # [1, Hkv, S, D]
+    k, v = k[0], v[0]
+    num_kv_heads = k.shape[0]
+    group = num_heads // num_kv_heads
+
+    # Query j sits at absolute position seq_len - q_len + j (earlier chunks are already cached),
+    # so causality is a lower-right aligned mask, not SDPA's top-left is_causal.
+    query_pos = seq_len - q_len + torch.arange(q_len, device=device)
+    mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]  # [q_len, S]
+    # Fold the G heads of each kv head into the row dimension: row g * q_len + j.
+    qf = q[start:end].transpose(0, 1).reshape(num_kv_heads, group * q_len, head_dim)
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
+    out[start:end] = o.view(num_heads, q_len, head_dim).transpose(0, 1)
+
+
+def _gather_context(kv_cache, tables, length):
+    """K and V [B, Hkv, length, D] of the first `length` tokens of each block table row."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-length // block_size)
+    tables = tables[:, :num_blocks].long()
+    k = kv_cache[0][tables].flatten(1, 2)[:, :length]  # [B, length, Hkv, D]
+    v = kv_cache[1][tables].flatten(1, 2)[:, :length]
+    return k.transpose(1, 2), v.transpose(1, 2)

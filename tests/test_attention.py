@@ -1,0 +1,307 @@
+"""The torch reference of the attention ops against plain dense causal attention.
+
+Each case builds a random paged batch (shuffled, non-contiguous block ids, garbage in every slot a
+request does not own), runs paged_attention, and compares every request with dense attention over
+its full K/V computed in float64. The helpers here are reused by tests/test_attention_triton.py.
+"""
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from attention import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    available_memory_bytes,
+    kv_cache_bytes_per_token,
+    num_blocks_for_budget,
+    paged_attention,
+    write_kv,
+)
+
+HEAD_CONFIGS = [(4, 4), (8, 2), (8, 1)]  # (Hq, Hkv): GQA ratio 1, 4, and MQA
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # [T, Hq, D]
+    kv_cache: torch.Tensor  # [2, N, block_size, Hkv, D]
+    metadata: AttentionMetadata
+    keys: list  # per request: full K [seq_len, Hkv, D] (context + new tokens)
+    values: list
+    specs: list  # per request: (context_len, q_len)
+    num_tokens: int  # real (non-padding) tokens; rows past it are padding
+    scale: float
+
+
+def make_batch(specs, *, block_size, num_heads, num_kv_heads, head_dim, num_pad=0, dtype=torch.float32, seed=0):
+    """A paged batch whose request i has specs[i] = (context_len, q_len): context_len tokens cached
+    by earlier steps plus q_len new ones, all already in the cache (filled here by a plain loop)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    seq_lens = [c + n for c, n in specs]
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3  # a few blocks nobody owns
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)  # non-contiguous, out-of-order blocks for every request
+
+    # Garbage everywhere a request does not own: a wrong read changes the result visibly.
+    kv_cache = 100 * torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    max_blocks = max(blocks_per_req, default=0) + 1  # one extra column of 0-padding
+    block_tables = torch.zeros(len(specs), max_blocks, dtype=torch.int32)
+    keys, values = [], []
+    for i, seq_len in enumerate(seq_lens):
+        own = [ids.pop() for _ in range(blocks_per_req[i])]
+        block_tables[i, : len(own)] = torch.tensor(own, dtype=torch.int32)
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for pos in range(seq_len):
+            block, offset = own[pos // block_size], pos % block_size
+            kv_cache[0, block, offset] = k[pos]
+            kv_cache[1, block, offset] = v[pos]
+        keys.append(k)
+        values.append(v)
+
+    q_lens = [n for _, n in specs]
+    num_tokens = sum(q_lens)
+    query_start_loc = torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32)
+    slot_mapping = torch.full((num_tokens + num_pad,), -1, dtype=torch.int64)
+    for i, (ctx, n) in enumerate(specs):
+        for j in range(n):
+            pos = ctx + j
+            block = int(block_tables[i, pos // block_size])
+            slot_mapping[query_start_loc[i] + j] = block * block_size + pos % block_size
+    q = torch.randn(num_tokens + num_pad, num_heads, head_dim, generator=gen).to(dtype)
+    metadata = AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=slot_mapping,
+    )
+    return Batch(q, kv_cache.to(dtype), metadata, keys, values, list(specs), num_tokens, head_dim**-0.5)
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def dense_reference(batch: Batch) -> torch.Tensor:
+    """Plain causal attention per request over its full K/V, in float64; padding rows are zero."""
+    q = batch.q.double()
+    out = torch.zeros_like(q)
+    num_heads = q.shape[1]
+    start = 0
+    for (ctx, n), k, v in zip(batch.specs, batch.keys, batch.values):
+        group = num_heads // k.shape[1]
+        k = k.double().repeat_interleave(group, dim=1)  # [S, Hq, D]: head h reads kv head h // group
+        v = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start : start + n], k) * batch.scale
+        query_pos = ctx + torch.arange(n)
+        future = torch.arange(ctx + n)[None, :] > query_pos[:, None]
+        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        out[start : start + n] = torch.einsum("hqk,khd->qhd", probs, v)
+        start += n
+    return out
+
+
+def random_specs(rng, block_size, num_requests):
+    """A mix of decodes, fresh prefills and later prefill chunks, crossing block boundaries."""
+    specs = []
+    for _ in range(num_requests):
+        kind = rng.choice(["decode", "fresh", "chunk", "chunk"])
+        if kind == "decode":
+            specs.append((rng.randint(0, 3 * block_size), 1))
+        elif kind == "fresh":
+            specs.append((0, rng.randint(2, 2 * block_size + 3)))
+        else:
+            specs.append((rng.randint(1, 2 * block_size + 3), rng.randint(2, block_size + 5)))
+    return specs
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_CONFIGS)
+def test_paged_attention_matches_dense(block_size, head_dim, num_heads, num_kv_heads):
+    rng = random.Random(block_size * 1000 + head_dim * 10 + num_kv_heads)
+    for trial in range(3):
+        specs = random_specs(rng, block_size, num_requests=rng.randint(1, 6))
+        batch = make_batch(
+            specs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, num_pad=rng.randint(0, 3), seed=trial,
+        )
+        out = paged_attention(batch.q, batch.kv_cache, batch.metadata, batch.scale)
+        assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+        torch.testing.assert_close(out.double(), dense_reference(batch), atol=1e-5, rtol=1e-5, msg=f"specs {specs}")
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [(0, 1)],  # a decode with an empty context: attends to itself only
+        [(5, 1), (16, 1), (31, 1), (0, 1)],  # decodes only, one right on a block boundary
+        [(0, 32)],  # a prefill of exactly two blocks
+        [(16, 16)],  # a chunk starting and ending on block boundaries
+        [(15, 2), (17, 1), (0, 0), (3, 0)],  # a chunk straddling a boundary, and empty requests
+    ],
+)
+def test_edge_batches(specs):
+    batch = make_batch(specs, block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, num_pad=2)
+    out = paged_attention(batch.q, batch.kv_cache, batch.metadata, batch.scale)
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_rows_are_zero_and_do_not_matter():
+    batch = make_batch([(3, 4), (20, 1)], block_size=16, num_heads=4, num_kv_heads=1, head_dim=64, num_pad=5)
+    out = paged_attention(batch.q, batch.kv_cache, batch.metadata, batch.scale)
+    assert torch.equal(out[batch.num_tokens :], torch.zeros_like(out[batch.num_tokens :]))
+    batch.q[batch.num_tokens :] = 1e4  # changing the padding queries changes nothing
+    again = paged_attention(batch.q, batch.kv_cache, batch.metadata, batch.scale)
+    assert torch.equal(out, again)
+
+
+def test_non_contiguous_q():
+    # The model slices q out of a fused qkv projection, so q's token stride is larger than Hq * D.
+    batch = make_batch([(7, 3), (30, 1)], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
+    fused = torch.cat([batch.q, torch.randn_like(batch.q)], dim=1)
+    q = fused[:, :8]
+    assert not q.is_contiguous()
+    out = paged_attention(q, batch.kv_cache, batch.metadata, batch.scale)
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_close_to_float64():
+    specs = [(40, 1), (0, 23), (17, 9)]
+    batch = make_batch(specs, block_size=16, num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    out = paged_attention(batch.q, batch.kv_cache, batch.metadata, batch.scale)
+    assert out.dtype == torch.bfloat16
+    # Inputs are exactly representable; the error is bf16 rounding of probabilities/output only.
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=2e-2, rtol=2e-2)
+
+
+def test_q_len_longer_than_seq_len_is_rejected():
+    batch = make_batch([(0, 4)], block_size=16, num_heads=4, num_kv_heads=4, head_dim=64)
+    batch.metadata.seq_lens[0] = 3
+    with pytest.raises(ValueError, match="q_len"):
+        paged_attention(batch.q, batch.kv_cache, batch.metadata, batch.scale)
+
+
+def test_unknown_backend_is_rejected():
+    batch = make_batch([(0, 2)], block_size=16, num_heads=4, num_kv_heads=4, head_dim=64)
+    batch.metadata.backend = "cuda-magic"
+    with pytest.raises(ValueError, match="backend"):
+        paged_attention(batch.q, batch.kv_cache, batch.metadata, batch.scale)
+
+
+# ---- write_kv -------------------------------------------------------------------------------------
+
+
+def test_write_kv_writes_exactly_the_given_slots():
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, hkv, d = 6, 16, 2, 64
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen)
+    before = cache.clone()
+    slots = torch.tensor([37, -1, 0, 95, 16, -1, 50], dtype=torch.int64)
+    # k, v as slices of a fused projection: non-contiguous, like the model produces them.
+    fused = torch.randn(len(slots), 3 * hkv, d, generator=gen)
+    k, v = fused[:, hkv : 2 * hkv], fused[:, 2 * hkv :]
+    write_kv(k, v, cache, slots)
+
+    expected = before.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0, slot // block_size, slot % block_size] = k[t]
+            expected[1, slot // block_size, slot % block_size] = v[t]
+    assert torch.equal(cache, expected)  # the given slots hold k/v; every other slot is untouched
+
+
+def test_write_kv_then_attention_over_chunks():
+    """The engine's flow: a prompt prefilled in two chunks, then a decode, each step writing its KV first."""
+    gen = torch.Generator().manual_seed(1)
+    block_size, hq, hkv, d = 16, 4, 2, 64
+    cache = torch.zeros(2, 8, block_size, hkv, d)
+    table = torch.tensor([[5, 2, 7, 0]], dtype=torch.int32)
+    total = 40
+    k_all, v_all = torch.randn(2, total, hkv, d, generator=gen)
+    q_all = torch.randn(total, hq, d, generator=gen)
+    outputs = []
+    for start, end in [(0, 21), (21, 39), (39, 40)]:
+        pos = torch.arange(start, end)
+        slots = table[0, pos // block_size].long() * block_size + pos % block_size
+        meta = AttentionMetadata(
+            torch.tensor([0, end - start], dtype=torch.int32), torch.tensor([end], dtype=torch.int32), table, slots
+        )
+        write_kv(k_all[start:end], v_all[start:end], cache, slots)
+        outputs.append(paged_attention(q_all[start:end], cache, meta, d**-0.5))
+    dense = Batch(q_all, None, None, [k_all], [v_all], [(0, total)], total, d**-0.5)
+    torch.testing.assert_close(torch.cat(outputs).double(), dense_reference(dense), atol=1e-5, rtol=1e-5)
+
+
+# ---- torch.compile --------------------------------------------------------------------------------
+
+
+def test_compiled_step_matches_eager_without_graph_breaks():
+    from torch._inductor.utils import run_and_get_code  # imports triton: keep it out of collection
+
+    specs = [(20, 1), (0, 5), (9, 12)]
+    batch = make_batch(specs, block_size=16, num_heads=4, num_kv_heads=2, head_dim=64, num_pad=3)
+    gen = torch.Generator().manual_seed(3)
+    k_new = torch.randn(batch.q.shape[0], 2, 64, generator=gen)
+    v_new = torch.randn(batch.q.shape[0], 2, 64, generator=gen)
+
+    def step(q, k, v, kv_cache, metadata):
+        write_kv(k, v, kv_cache, metadata.slot_mapping)
+        return paged_attention(q * 1.0, kv_cache, metadata, 0.125) + 1.0  # ops around the custom ops too
+
+    eager_cache = batch.kv_cache.clone()
+    eager = step(batch.q, k_new, v_new, eager_cache, batch.metadata)
+    compiled_cache = batch.kv_cache.clone()
+    compiled_step = torch.compile(step, fullgraph=True)  # fullgraph: any graph break raises
+    compiled, codes = run_and_get_code(compiled_step, batch.q, k_new, v_new, compiled_cache, batch.metadata)
+    assert torch.equal(compiled_cache, eager_cache)  # the in-place write reached the caller's cache
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
+    # Functionalization must be undone: the op writes into the caller's cache itself. A clone or a
+    # copy-back here would move the whole KV cache of a layer on every step.
+    code = "\n".join(codes)
+    assert "torch.ops.toolkit.write_kv.default(" in code
+    assert "clone" not in code and "copy_" not in code
+
+
+# ---- sizing ---------------------------------------------------------------------------------------
+
+
+def test_kv_cache_sizing_arithmetic():
+    # Llama-3-8B-like: 32 layers, 8 kv heads, head_dim 128, bf16 -> 128 KiB per token.
+    assert kv_cache_bytes_per_token(32, 8, 128, torch.bfloat16) == 2 * 32 * 8 * 128 * 2 == 131072
+    assert kv_cache_bytes_per_token(2, 1, 64, torch.float32) == 1024
+    kw = dict(num_layers=2, block_size=16, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+    # One block is 16 tokens * 1024 B = 16 KiB; partial blocks are not counted.
+    assert num_blocks_for_budget(16 * 1024 * 10, **kw) == 10
+    assert num_blocks_for_budget(16 * 1024 * 10 + 16383, **kw) == 10
+    assert num_blocks_for_budget(16383, **kw) == 0
+    assert num_blocks_for_budget(-5, **kw) == 0
+
+
+def test_allocate_kv_cache_layout():
+    caches = allocate_kv_cache(
+        3, num_blocks=5, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu"
+    )
+    assert len(caches) == 3
+    assert len({c.data_ptr() for c in caches}) == 3  # separate storage per layer
+    for c in caches:
+        assert c.shape == (2, 5, 16, 2, 64) and c.dtype == torch.bfloat16 and c.is_contiguous()
+        assert not c.any()
+    per_token = kv_cache_bytes_per_token(3, 2, 64, torch.bfloat16)
+    assert sum(c.numel() * c.element_size() for c in caches) == per_token * 5 * 16
+
+
+def test_available_memory_bytes_cpu():
+    free = available_memory_bytes("cpu")
+    with open("/proc/meminfo") as f:
+        total_kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    assert 0 < free <= total_kb * 1024

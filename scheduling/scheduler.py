@@ -1,0 +1,282 @@
+"""Continuous batching in tokens, not phases (the vLLM V1 idea).
+
+Every request has `num_computed_tokens`; a step gives each scheduled request some new tokens. A prefill
+chunk, a decode (1 token) and a recompute after preemption (computed tokens reset to 0) are the same
+operation, bounded by a per-step token budget and by the free KV blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            # bool is an int subclass; True as a block count is a bug, not a 1.
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive integer (>= 1), got {value!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    samples: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size)
+        self._requests: dict[str, Request] = {}  # live requests only: waiting, preempted or running
+        self._keys: dict[str, tuple] = {}  # service order: a smaller key is admitted first and preempted last
+        self._waiting: list[tuple[tuple, Request]] = []  # a heap on the key
+        self._running: list[Request] = []  # sorted by key
+        self._rejected: list[Request] = []  # failed alone, to report in the next SchedulerOutput
+        self._arrivals = itertools.count()
+
+    # ---- requests in and out ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} is added with status {request.status.name}")
+        error = self._rejection_reason(request)
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = error
+            self._rejected.append(request)
+            return
+        key = (request.arrival_time, next(self._arrivals))
+        if self.config.policy == "priority":
+            key = (request.priority,) + key
+        self._keys[request.request_id] = key
+        self._requests[request.request_id] = request
+        heapq.heappush(self._waiting, (key, request))
+
+    def _rejection_reason(self, request: Request) -> str | None:
+        """Why the request can never run, even with the whole cache to itself, or None."""
+        prompt, max_len = request.num_prompt_tokens, self.config.max_model_len
+        if prompt == 0:
+            return "the prompt is empty; a request needs at least 1 prompt token"
+        if prompt > max_len:
+            return (
+                f"the prompt has {prompt} tokens but max_model_len is {max_len}; "
+                f"shorten the prompt or raise max_model_len"
+            )
+        if request.max_tokens < 1:
+            return f"max_tokens must be at least 1, got {request.max_tokens}"
+        # A request may need KV for every token it can ever hold, so it must fit in the cache alone:
+        # that is what guarantees the oldest running request always makes progress (no deadlock).
+        total = min(prompt + request.max_tokens, max_len)
+        needed = self.kv_cache.num_blocks_for(total)
+        if needed <= self.config.num_blocks:
+            return None
+        capped = f", capped at max_model_len {max_len}" if total < prompt + request.max_tokens else ""
+        return (
+            f"request needs {needed} KV blocks (prompt {prompt} + max_tokens {request.max_tokens} tokens"
+            f"{capped}, at block size {self.config.block_size}) but the cache has only "
+            f"{self.config.num_blocks}; raise the KV memory or lower max_tokens"
+        )
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request early (abort, or a stop string found by the engine). Unknown or finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a finished status, got {status.name}")
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting = [entry for entry in self._waiting if entry[1] is not request]
+            heapq.heapify(self._waiting)
+        self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        del self._requests[request.request_id]
+        del self._keys[request.request_id]
+
+    def has_unfinished(self) -> bool:
+        # Pending rejections count: the engine must call schedule() once more to report them.
+        return bool(self._requests or self._rejected)
+
+    def get_request(self, request_id: str) -> Request:
+        """A live (waiting, preempted or running) request; finished ones have left the scheduler."""
+        return self._requests[request_id]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.num_free_blocks
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(rejected=self._rejected)
+        self._rejected = []
+        budget = self.config.max_num_batched_tokens
+        decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step to make room for an older request
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            block_table, refund = self._allocate_or_preempt(request, num_new, out)
+            budget += refund
+            if block_table is not None:
+                out.scheduled.append(self._scheduled(request, num_new, block_table))
+                budget -= num_new
+        # After a preemption blocks are short, and the head of the waiting queue is now the request
+        # just preempted, which must not run in the step that preempted it.
+        if not out.preempted:
+            budget = self._admit_waiting(budget, out)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, out: SchedulerOutput
+    ) -> tuple[list[int] | None, int]:
+        """Blocks for the request's new tokens, preempting the last-served running requests until they fit.
+
+        Returns (block table or None when the request itself was preempted, tokens refunded to the budget
+        by victims that had already been scheduled in this step).
+        """
+        refund = 0
+        while True:
+            block_table = self.kv_cache.allocate_slots(request, num_new)
+            if block_table is not None:
+                return block_table, refund
+            victim = self._running[-1]
+            if victim is request and len(self._running) == 1:
+                # add_request only admits requests that fit the whole cache; reaching here is a bug,
+                # and raising beats preempting the request forever.
+                raise RuntimeError(f"request {request.request_id!r} cannot get KV blocks even alone in the cache")
+            refund += self._preempt(victim, out)
+            if victim is request:
+                return None, refund
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempt by recompute; returns the tokens the victim had been given in this step, if any."""
+        self._running.remove(victim)
+        self.kv_cache.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        # The key is kept, so under fcfs the victim returns ahead of everything that arrived after it.
+        heapq.heappush(self._waiting, (self._keys[victim.request_id], victim))
+        out.preempted.append(victim.request_id)
+        for i, scheduled in enumerate(out.scheduled):
+            if scheduled.request_id == victim.request_id:
+                del out.scheduled[i]
+                return scheduled.num_new_tokens
+        return 0
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0][1]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            block_table = self.kv_cache.allocate_slots(request, num_new)
+            if block_table is None:
+                break  # no later request may jump the head of the line, or it could starve
+            heapq.heappop(self._waiting)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self._running, request, key=lambda r: self._keys[r.request_id])
+            out.scheduled.append(self._scheduled(request, num_new, block_table))
+            budget -= num_new
+        return budget
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int, block_table: list[int]) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, start + num_new),
+            start_position=start,
+            block_table=block_table,
+            samples=start + num_new == request.num_tokens,
+        )
+
+    # ---- after the model ran ------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance the scheduled requests, append sampled tokens, run stop checks; returns the requests
+        that finished (stopped or length) here."""
+        finished = []
+        for scheduled in output.scheduled:
+            request = self._requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished by the engine (abort, stop string) between schedule and update
+            if request.num_computed_tokens != scheduled.start_position:
+                raise RuntimeError(
+                    f"request {request.request_id!r} has {request.num_computed_tokens} computed tokens but the "
+                    f"output starts at {scheduled.start_position}: update() called twice or on a stale output?"
+                )
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if not scheduled.samples:
+                continue
+            if scheduled.request_id not in sampled:
+                raise KeyError(f"request {scheduled.request_id!r} was scheduled to sample but has no sampled token")
+            status = self._append_and_check(request, sampled[scheduled.request_id])
+            if status is not None:
+                self._running.remove(request)
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _append_and_check(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
+        """Append tokens until one finishes the request; tokens after it (speculative extras) are dropped."""
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            if token_id in request.stop_token_ids and request.num_output_tokens >= request.min_tokens:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+                return RequestStatus.FINISHED_LENGTH
+        return None

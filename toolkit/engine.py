@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parallel import setup_parallel
 from scheduling import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 from toolkit.config import ModelConfig, check_sliding_window, load_model_config, resolve_dtype
 from toolkit.detokenizer import IncrementalDetokenizer
@@ -50,9 +51,14 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int | None = 0
     skip_tokenizer_init: bool = False
+    # vLLM's meaning; tp * dp processes started by torchrun (see parallel/). 1 x 1: one process.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
+    compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -94,7 +100,11 @@ class Engine:
         self.config = config
         self.model_config: ModelConfig = load_model_config(config.model)
         mc = self.model_config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # Joins the process group when tp * dp > 1; checks the sizes against the world and the heads first.
+        self.parallel = setup_parallel(config.tensor_parallel_size, config.data_parallel_size, config.device, mc)
+        self.tp = self.parallel.tp if self.parallel is not None else None
+        self.device = self.parallel.device if self.parallel is not None else torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(config.dtype, mc.checkpoint_dtype)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
@@ -117,6 +127,9 @@ class Engine:
             kv_cache_memory_fraction=config.kv_cache_memory_fraction,
             enforce_eager=config.enforce_eager,
             attention_backend=backend,
+            load_format=config.load_format,
+            compile_backend=config.compile_backend,
+            tp=self.tp,
         )
         kv = self.runner.kv_spec
         self.scheduler = Scheduler(
@@ -250,6 +263,9 @@ class Engine:
             [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs],
         )
+        if self.tp is not None:
+            # SPMD: every rank's scheduler must append the same tokens, so TP rank 0's choice wins.
+            out.token_ids = self.tp.broadcast_tokens(out.token_ids)
         now = time.monotonic()
         for rid, token, lp in zip(ids, out.token_ids, out.logprobs):
             tracked = self._tracked[rid]

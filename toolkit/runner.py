@@ -1,8 +1,15 @@
 """The model runner: owns the model and its KV cache, turns a scheduled step into tensors, runs it.
 
 Host work per step is a handful of numpy operations over the whole batch (no per-token Python
-loops). The forward is `torch.compile`d with `fullgraph=True` unless `enforce_eager`; the packed
-token count is padded up to a bucket so the number of distinct shapes stays small.
+loops). The forward is `torch.compile`d with `fullgraph=True` unless `enforce_eager`:
+
+- Shapes: the compiled graph is dynamic in the packed token count T, the batch size B and the
+  block-table width, and T is padded up to a power-of-two bucket, so a long run with varied batches
+  compiles a handful of graphs (dynamo specializes sizes 0 and 1) instead of one per step.
+- When: lazily, on the first step that needs a new graph; each compile is logged with its time.
+  Inductor's on-disk caches (FX graph and AOTAutograd caches, under ~/.cache/toolkit/inductor unless
+  TORCHINDUCTOR_CACHE_DIR is set) make a second start of the same model and shapes fast.
+- CUDA: decode-only steps replay CUDA graphs captured per batch bucket (`toolkit.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -18,7 +26,9 @@ import torch
 
 from attention import AttentionMetadata, allocate_kv_cache, available_memory_bytes, kv_cache_bytes_per_token
 from scheduling import ScheduledRequest
+from parallel import processes_per_device
 from toolkit.config import ModelConfig
+from toolkit.cuda_graphs import DecodeGraphs
 from toolkit.weights import load_model
 
 log = logging.getLogger("toolkit")
@@ -34,6 +44,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S]: the last packed token of each request that samples
     num_tokens: int  # T before padding
+    decode_only: bool = False  # every request feeds one token and samples
 
 
 @dataclass
@@ -66,6 +77,9 @@ class ModelRunner:
         kv_cache_memory_fraction: float | None,
         enforce_eager: bool,
         attention_backend: str,
+        load_format: str = "safetensors",
+        compile_backend: str = "inductor",
+        tp=None,  # parallel.TensorParallel: this rank's shard of the weights and of the kv heads
     ):
         self.config = config
         self.dtype = dtype
@@ -74,32 +88,46 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.attention_backend = attention_backend
         start = time.perf_counter()
-        self.model = load_model(config, dtype, device, max_positions=max_model_len)
+        self.model = load_model(config, dtype, device, max_positions=max_model_len, load_format=load_format, tp=tp)
+        self.tp = tp
+        self.num_kv_heads = tp.num_kv_heads_local if tp is not None else config.num_kv_heads
         self.load_seconds = time.perf_counter() - start
         self.kv_spec = self._size_kv_cache(
             max_model_len, max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction
         )
         self.kv_caches = allocate_kv_cache(
-            config.num_layers, self.kv_spec.num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device
+            config.num_layers, self.kv_spec.num_blocks, block_size, self.num_kv_heads, config.head_dim, dtype, device
         )
         self.enforce_eager = enforce_eager
-        self.forward = self.model if enforce_eager else torch.compile(self.model, fullgraph=True, dynamic=True)
+        self.compile_seconds = 0.0
+        if enforce_eager:
+            self.forward = self.model
+        else:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/toolkit/inductor"))
+            self.forward = torch.compile(self.model, fullgraph=True, dynamic=True, backend=compile_backend)
+        self.decode_graphs = None
+        if DecodeGraphs.supported(device, attention_backend, enforce_eager):
+            max_blocks = math.ceil(max_model_len / block_size)
+            self.decode_graphs = DecodeGraphs(self.forward, self.kv_caches, max_num_seqs, max_blocks, device, attention_backend)
 
     # --- KV cache sizing -------------------------------------------------------------------
 
     def _size_kv_cache(self, max_model_len, max_num_seqs, budget_bytes, fraction) -> KVCacheSpec:
         c = self.config
-        per_token = kv_cache_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        per_token = kv_cache_bytes_per_token(c.num_layers, self.num_kv_heads, c.head_dim, self.dtype)
         per_block = per_token * self.block_size
         if budget_bytes is None:
             if fraction is None:
                 # On a GPU the KV cache is the point of the free memory; on a CPU host memory is shared
                 # with everything else, so take less by default.
                 fraction = 0.9 if self.device.type == "cuda" else 0.3
-            budget_bytes = int(available_memory_bytes(self.device) * fraction)
+            # Every process of a multi-process job on one CPU host draws on the same free memory.
+            budget_bytes = int(available_memory_bytes(self.device) * fraction) // processes_per_device(self.device)
         # More blocks than max_num_seqs full-length requests can use would only waste memory.
         useful = max_num_seqs * math.ceil(max_model_len / self.block_size)
         num_blocks = min(budget_bytes // per_block, useful)
+        if self.tp is not None:
+            num_blocks = self.tp.agree_min(num_blocks)  # one schedule for the TP group: one cache size
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget of {budget_bytes} bytes holds no block of {self.block_size} tokens "
@@ -145,7 +173,12 @@ class ModelRunner:
             slot_mapping=to(slots, torch.int64),
             backend=self.attention_backend,
         )
-        return StepInputs(to(input_ids, torch.int64), to(positions, torch.int64), meta, to(logits_indices, torch.int64), num_tokens)
+        decode_only = num_tokens == len(scheduled) and bool(sampled.all())
+        logits_indices = to(logits_indices, torch.int64)
+        if not self.enforce_eager:
+            _mark_sizes_unbacked(meta, logits_indices)
+        return StepInputs(to(input_ids, torch.int64), to(positions, torch.int64), meta, logits_indices,
+                          num_tokens, decode_only)
 
     def _bucket(self, n: int) -> int:
         return max(MIN_BUCKET, 1 << (n - 1).bit_length())
@@ -153,4 +186,31 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits [S, V] for the requests that sample this step, in scheduled order."""
-        return self.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+        if self.decode_graphs is not None and inputs.decode_only and self.decode_graphs.bucket_for(inputs.num_tokens):
+            return self.decode_graphs.run(inputs.input_ids[: inputs.num_tokens], inputs.positions[: inputs.num_tokens],
+                                          inputs.meta, inputs.logits_indices)
+        graphs_before = num_compiled_graphs()
+        start = time.perf_counter()
+        logits = self.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+        if num_compiled_graphs() > graphs_before:
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            log.info("compiled a graph for %d packed tokens in %.1f s (first run included)", inputs.input_ids.shape[0], seconds)
+        return logits
+
+
+def _mark_sizes_unbacked(meta: AttentionMetadata, logits_indices: torch.Tensor) -> None:
+    """Batch sizes of 0 or 1 and coincidentally equal sizes would each cost a recompile (dynamo
+    specializes 0/1 and "duck-sizes" equal dims); unbacked sizes make one graph serve them all."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping, logits_indices):
+        mark_unbacked(t, 0)
+    mark_unbacked(meta.block_tables, 1)
+
+
+def num_compiled_graphs() -> int:
+    """Graphs dynamo has produced in this process: a new one means a (re)compile happened."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

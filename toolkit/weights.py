@@ -96,8 +96,40 @@ def _is_tied_alias(model: nn.Module, name: str) -> bool:
     return name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
 
 
-def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+LOAD_FORMATS = ("safetensors", "dummy")
+
+
+def load_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int, load_format: str = "safetensors",
+    tp=None,
+) -> nn.Module:
+    """`load_format="dummy"` fills seeded random weights instead of reading files (benchmarks of model shapes).
+
+    `tp` (a `parallel.TensorParallel`, or None) gives the meta model this rank's shard shapes before
+    loading, reads only this rank's slices, and applies the DTensor plan after loading.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
     model = build_model(config, max_positions)
-    load_weights(model, config.path, dtype, device)
+    if tp is not None:
+        tp.shard_meta(model)
+    if load_format == "dummy":
+        fill_random(model, dtype, device, std=getattr(config.hf_config, "initializer_range", 0.02))
+    else:
+        load_weights(model, config.path, dtype, device, read_slice=tp.read_slice if tp is not None else None)
     model.tie_weights()
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval()
+    if tp is not None:
+        tp.parallelize(model)
+    return model.requires_grad_(False)
+
+
+def fill_random(model: nn.Module, dtype: torch.dtype, device: torch.device, std: float, seed: int = 0) -> None:
+    # Drawn on the target device: an 8B model's worth of host randn would dominate start-up.
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in list(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            value = torch.ones(param.shape, device=device)
+        else:
+            value = torch.randn(param.shape, generator=generator, device=device) * std
+        set_module_tensor_to_device(model, name, device, value=value, dtype=dtype)

@@ -56,6 +56,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
     compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
+    cuda_graphs: bool = True  # on CUDA with the Triton backend, replay captured graphs for decode-only steps
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):

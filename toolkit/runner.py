@@ -106,7 +106,7 @@ class ModelRunner:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/toolkit/inductor"))
             self.forward = torch.compile(self.model, fullgraph=True, dynamic=True, backend=compile_backend)
         self.decode_graphs = None
-        if DecodeGraphs.supported(device, attention_backend, enforce_eager):
+        if cuda_graphs and DecodeGraphs.supported(device, attention_backend, enforce_eager):
             max_blocks = math.ceil(max_model_len / block_size)
             self.decode_graphs = DecodeGraphs(self.forward, self.kv_caches, max_num_seqs, max_blocks, device, attention_backend)
 

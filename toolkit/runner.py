@@ -79,6 +79,7 @@ class ModelRunner:
         attention_backend: str,
         load_format: str = "safetensors",
         compile_backend: str = "inductor",
+        cuda_graphs: bool = True,
         tp=None,  # parallel.TensorParallel: this rank's shard of the weights and of the kv heads
     ):
         self.config = config

@@ -1,46 +1,31 @@
-"""The `toolkit` command line."""
+"""The `toolkit` command line: `toolkit generate` (offline batch generation) and `toolkit info` (model sizing)."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Optional
+from typing import Annotated
 
 import typer
-from rich.console import Console
 
-app = typer.Typer(help="A small, torch.compile-centric LLM inference toolkit.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
-console = Console(stderr=True)
+from cli.generate import generate
+from cli.info import info
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "toolkit" / "default_model" / "target"
+app = typer.Typer(
+    help="A small, torch.compile-centric LLM inference toolkit. Run `toolkit COMMAND --help` for a command's flags.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,  # a real bug should print a plain traceback, not a wall of locals
+    rich_markup_mode="rich",
+)
 
 
 @app.callback()
-def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log engine set-up (KV cache size, compile).")):
+def main(verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Log engine set-up (KV cache size, compile) to stderr.")] = False):
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
 
 
-@app.command()
-def generate(
-    prompt: str = typer.Argument(..., help="The prompt to complete."),
-    model: Optional[Path] = typer.Option(None, help="Hugging Face model folder (default: the built-in model)."),
-    max_tokens: int = typer.Option(64, help="New tokens to generate."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
-    seed: Optional[int] = typer.Option(None, help="Sampling seed."),
-    eager: bool = typer.Option(False, "--eager", help="Skip torch.compile."),
-):
-    """Complete one prompt and print the text."""
-    from toolkit import LLM, SamplingParams
-
-    path = model or DEFAULT_MODEL
-    if not path.is_dir():
-        console.print(f"[red]error:[/red] model folder not found: {path}")
-        raise typer.Exit(2)
-    llm = LLM(str(path), enforce_eager=eager)
-    out = llm.generate([prompt], SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed),
-                       use_tqdm=False)[0]
-    print(prompt + out.outputs[0].text)
+app.command()(generate)
+app.command()(info)
 
 
 if __name__ == "__main__":

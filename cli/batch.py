@@ -1,0 +1,78 @@
+"""The generate loop: feed jobs to the engine a window at a time, step it, write each result as it finishes.
+
+The engine is driven directly (add_request / step) rather than through `LLM.generate`, which returns
+only when everything is done: here every finished request is written at once, so output streams,
+and a killed run loses only what was in flight. At most `window` requests are inside the engine,
+so the input file is read lazily and a million-line input is never held in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from cli.jobs import Job, LineError, encode
+from cli.progress import Reporter
+from cli.stats import RunStats
+from toolkit.engine import Engine
+from toolkit.outputs import RequestOutput
+
+
+class LineFailed(Exception):
+    """--fail-fast: the first failed line ends the run."""
+
+
+class BatchRunner:
+    def __init__(self, engine: Engine, records, write: Callable[[dict], None], stats: RunStats,
+                 reporter: Reporter, window: int, fail_fast: bool):
+        self.engine = engine
+        self.records = records  # NativeRecords or OpenAIRecords: job + output -> output line
+        self.write = write
+        self.stats = stats
+        self.reporter = reporter
+        self.window = window
+        self.fail_fast = fail_fast
+        self.pending: dict[str, Job] = {}  # engine request id -> its job
+
+    def run(self, jobs: Iterable[Job]) -> None:
+        jobs = iter(jobs)
+        more = True
+        while more or self.pending:
+            while more and len(self.pending) < self.window:
+                job = next(jobs, None)
+                if job is None:
+                    more = False
+                else:
+                    self._submit(job)
+            if self.pending:
+                for out in self.engine.step():
+                    self._finish(self.pending.pop(out.request_id), out)
+
+    def _submit(self, job: Job) -> None:
+        if job.error is not None:
+            self._fail(job, job.error)
+            return
+        try:
+            prompt_ids = encode(self.engine, job)
+        except LineError as e:
+            self._fail(job, f"line {job.line}: {e}")
+            return
+        # The line number is unique in the file and stable across resumed runs.
+        request_id = str(job.line)
+        self.engine.add_request(request_id, prompt_ids, job.params, prompt=job.prompt)
+        self.pending[request_id] = job
+
+    def _finish(self, job: Job, out: RequestOutput) -> None:
+        if out.error:  # e.g. the scheduler found the request can never fit in the KV cache
+            self._fail(job, f"line {job.line}: {out.error}")
+            return
+        self.write(self.records.success(job, out))
+        self.reporter.advance(self.stats.add_output(out))
+
+    def _fail(self, job: Job, message: str) -> None:
+        if self.fail_fast:
+            # Not written: once the line is fixed, a rerun with the same output redoes it.
+            raise LineFailed(message)
+        self.write(self.records.failure(job, message))
+        self.stats.add_error()
+        self.reporter.error(message)
+        self.reporter.advance(0)

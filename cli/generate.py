@@ -1,0 +1,211 @@
+"""`toolkit generate`: one prompt to stdout, or a whole input file to an output JSONL that resumes."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli import options as o
+from cli.batch import BatchRunner, LineFailed
+from cli.default_model import resolve_model
+from cli.errors import EXIT_LINE_FAILED, CliError, exit_with, stderr_console
+from cli.input_file import detect_format, iter_lines
+from cli.jobs import Job, jsonl_job, text_job
+from cli.openai_batch import OpenAIRecords, parse_request
+from cli.output_file import RecordWriter, Resume, resume_from
+from cli.progress import Reporter
+from cli.records import NativeRecords
+from cli.resume_check import check_input_matches
+from cli.stats import RunStats, print_summary, summary_line
+from toolkit.sampling_params import SamplingParams
+
+
+@dataclass
+class IOArgs:
+    prompt: str | None
+    input: Path | None
+    output: Path | None
+    input_format: str
+    fail_fast: bool
+    quiet: bool
+    window: int
+
+
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(
+        show_default=False, help="One prompt to complete; the text is printed to stdout. Or use --input.")] = None,
+    input: Annotated[Optional[Path], typer.Option(
+        "--input", "-i", rich_help_panel=o.IO, show_default=False,
+        help="Prompts file: plain text (one prompt per line), JSONL ({id, prompt|messages, ...sampling fields}) "
+             "or OpenAI Batch API request lines. Blank lines are skipped.")] = None,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", rich_help_panel=o.IO, show_default=False,
+        help="Output JSONL, one record per input line, in completion order, each with its id and line. "
+             "Rerunning with the same output resumes: finished lines are skipped. Default: stdout.")] = None,
+    input_format: Annotated[o.InputFormat, typer.Option(
+        rich_help_panel=o.IO, help="Input format; auto looks at the first lines.")] = o.InputFormat.auto,
+    fail_fast: Annotated[bool, typer.Option(
+        "--fail-fast", rich_help_panel=o.IO, help="Stop at the first failed line instead of writing an error record.")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", rich_help_panel=o.IO, help="No progress bar or table; a one-line summary (for logs).")] = False,
+    window: Annotated[int, typer.Option(
+        min=1, rich_help_panel=o.IO, help="Requests handed to the engine at a time (bounds memory on huge inputs).")] = 4096,
+    model: o.ModelOpt = None,
+    dtype: o.DtypeOpt = "auto",
+    max_tokens: Annotated[int, typer.Option(min=1, rich_help_panel=o.SAMPLING, help="New tokens per completion.")] = 128,
+    temperature: Annotated[float, typer.Option(
+        rich_help_panel=o.SAMPLING, help="0 = greedy (OpenAI's API default is 1).")] = 0.0,
+    top_p: Annotated[float, typer.Option(rich_help_panel=o.SAMPLING, help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(rich_help_panel=o.SAMPLING, help="Keep the k likeliest tokens; 0 = all.")] = 0,
+    min_p: Annotated[float, typer.Option(rich_help_panel=o.SAMPLING, help="Drop tokens below min_p x the top probability.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(
+        rich_help_panel=o.SAMPLING, show_default=False,
+        help="Seed every request's sampling: results then do not depend on batching or resuming.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(
+        rich_help_panel=o.SAMPLING, show_default=False, help="Stop string (repeatable); not included in the text.")] = None,
+    stop_token_id: Annotated[Optional[list[int]], typer.Option(
+        rich_help_panel=o.SAMPLING, show_default=False, help="Token id that ends generation (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", rich_help_panel=o.SAMPLING, help="Keep generating past EOS.")] = False,
+    n: Annotated[int, typer.Option("-n", "--n", min=1, rich_help_panel=o.SAMPLING, help="Completions per prompt.")] = 1,
+    min_tokens: Annotated[int, typer.Option(min=0, rich_help_panel=o.SAMPLING, help="Tokens before EOS may end it.")] = 0,
+    repetition_penalty: Annotated[float, typer.Option(rich_help_panel=o.SAMPLING, help="1 = off.")] = 1.0,
+    presence_penalty: Annotated[float, typer.Option(rich_help_panel=o.SAMPLING, help="In [-2, 2]; 0 = off.")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option(rich_help_panel=o.SAMPLING, help="In [-2, 2]; 0 = off.")] = 0.0,
+    logprobs: Annotated[Optional[int], typer.Option(
+        min=0, rich_help_panel=o.SAMPLING, show_default=False, help="Also return the top-k logprobs of each token.")] = None,
+    block_size: o.BlockSizeOpt = 16,
+    max_num_seqs: o.MaxNumSeqsOpt = 256,
+    max_num_batched_tokens: o.MaxBatchedTokensOpt = 2048,
+    max_model_len: o.MaxModelLenOpt = None,
+    kv_cache_memory: o.KVMemoryOpt = None,
+    eager: o.EagerOpt = False,
+    attention_backend: o.BackendOpt = None,
+    device: o.DeviceOpt = None,
+):
+    """Generate completions for one prompt or a file of them.
+
+    Exit codes: 0 every line succeeded; 1 some line failed (its error record names the line);
+    2 the job could not start (bad flag, missing model or input file).
+    """
+    io = IOArgs(prompt, input, output, input_format.value, fail_fast, quiet, window)
+    sampling = dict(
+        n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_tokens=max_tokens,
+        min_tokens=min_tokens, stop=stop or [], stop_token_ids=stop_token_id or [], ignore_eos=ignore_eos,
+        logprobs=logprobs, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+    )
+    engine = o.engine_kwargs(
+        dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, eager=eager,
+        attention_backend=attention_backend, device=device,
+    )
+    try:
+        code = run_prompt(io, model, sampling, engine) if prompt is not None else run_file(io, model, sampling, engine)
+    except CliError as e:
+        exit_with(e)
+    raise typer.Exit(code)
+
+
+def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict) -> int:
+    if io.input is not None or io.output is not None:
+        raise CliError("a PROMPT's completion is printed to stdout; --input and --output are for prompt files")
+    console = stderr_console()
+    base = base_params(sampling)
+    engine = load_engine(model, engine_args, console, io.quiet)
+    job = Job(line=1, id=1, prompt=io.prompt, params=base)
+
+    def print_text(record: dict) -> None:
+        for completion in record["outputs"]:
+            sys.stdout.write(completion["text"] + "\n")
+        sys.stdout.flush()
+
+    reporter = Reporter(console, total=1, done=0, show_bar=False)
+    runner = BatchRunner(engine, NativeRecords(), print_text, RunStats(), reporter, window=1, fail_fast=True)
+    try:
+        runner.run([job])
+    except LineFailed as e:
+        raise CliError(str(e).removeprefix("line 1: "), code=EXIT_LINE_FAILED) from None
+    return 0
+
+
+def run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict) -> int:
+    if io.input is None:
+        raise CliError("give a PROMPT or --input FILE (see toolkit generate --help)")
+    if not io.input.is_file():
+        raise CliError(f"input file not found: {io.input}")
+    console = stderr_console()
+    base = base_params(sampling)
+    fmt = detect_format(io.input) if io.input_format == "auto" else io.input_format
+    resume = resume_from(io.output) if io.output is not None else Resume({}, 0, 0)
+    # Before the (slow) model load: a reused output path from another input fails at once.
+    total = check_input_matches(io.input, fmt, resume.done, io.output)
+    if (resume.done or resume.torn_bytes) and not io.quiet:
+        console.print(_resume_message(resume, total, io.output), soft_wrap=True)
+    # The exit code describes the whole output file, so error records from an earlier run count.
+    failed = EXIT_LINE_FAILED if resume.errors else 0
+    if len(resume.done) == total:
+        return failed
+    engine = load_engine(model, engine_args, console, io.quiet)
+    records = OpenAIRecords(str(model or "toolkit-default"), engine.tokenizer) if fmt == "openai" else NativeRecords()
+    stats = RunStats(skipped=len(resume.done), skipped_errors=resume.errors)
+    where = str(io.output) if io.output else "stdout"
+    with RecordWriter(io.output) as writer, Reporter(console, total, len(resume.done), not io.quiet) as reporter:
+        runner = BatchRunner(engine, records, writer.write, stats, reporter, io.window, io.fail_fast)
+        try:
+            runner.run(read_jobs(io.input, fmt, base, resume.done))
+        except LineFailed as e:
+            raise CliError(f"{e} (--fail-fast: stopped; fix the line and rerun with the same --output to resume)",
+                           code=EXIT_LINE_FAILED) from None
+    if io.quiet:
+        console.print(summary_line(stats, where), soft_wrap=True)
+    else:
+        print_summary(stats, console, where)
+    return EXIT_LINE_FAILED if stats.errors else failed
+
+
+def read_jobs(path: Path, fmt: str, base: SamplingParams, done: dict):
+    """Jobs for the lines without a record yet, parsed lazily as the runner asks for them."""
+    for line, raw in iter_lines(path):
+        if line in done:
+            continue
+        if fmt == "openai":
+            yield parse_request(line, raw, base)
+        elif fmt == "jsonl":
+            yield jsonl_job(line, raw, base)
+        else:
+            yield text_job(line, raw, base)
+
+
+def base_params(sampling: dict) -> SamplingParams:
+    try:
+        return SamplingParams(**sampling)
+    except ValueError as e:
+        raise CliError(f"invalid sampling option: {e}") from None
+
+
+def load_engine(model: Path | None, engine_args: dict, console, quiet: bool):
+    from toolkit.engine import Engine, EngineConfig
+
+    def warn(message: str) -> None:
+        console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+
+    path = resolve_model(model, warn)
+    try:
+        with console.status(f"loading {path}", spinner="dots") if not quiet else nullcontext():
+            return Engine(EngineConfig(model=str(path), **engine_args))
+    except (OSError, ValueError) as e:  # missing files, unsupported model, bad engine option: all fixable
+        raise CliError(f"cannot load model {path}: {e}") from None
+
+
+def _resume_message(resume: Resume, total: int, output: Path) -> str:
+    torn = f"; cut a torn last line ({resume.torn_bytes} bytes) left by an interrupted run" if resume.torn_bytes else ""
+    errors = f" ({resume.errors} of them errors)" if resume.errors else ""
+    if len(resume.done) == total:
+        return f"nothing to do: every line of the input has a record in {output}{errors}{torn}"
+    return f"resuming {output}: {len(resume.done)} of {total} lines already have a record{errors}{torn}"
+

@@ -1,0 +1,131 @@
+"""`toolkit info MODEL`: what a checkpoint is and how much of it fits where."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from attention.kv_cache import kv_cache_bytes_per_token
+from cli import capacity as cap
+from cli.default_model import check_model_folder
+from cli.errors import CliError, exit_with
+from cli.sizes import format_count, format_size, parse_size
+
+
+def info(
+    model: Annotated[Path, typer.Argument(help="Hugging Face model folder (config.json and *.safetensors).",
+                                          show_default=False)],
+    memory: Annotated[Optional[list[int]], typer.Option(
+        parser=parse_size, metavar="SIZE", show_default=False,
+        help="Memory per GPU for weights + KV cache, e.g. 16GiB (repeatable). "
+             f"Default: {', '.join(cap.DEFAULT_BUDGETS)}.")] = None,
+    dtype: Annotated[str, typer.Option(help="Serving dtype for the capacity table: auto (the checkpoint's), "
+                                            "float32, bfloat16, float16.")] = "auto",
+    max_model_len: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False, help="Request length for the concurrency column. Default: max_position_embeddings.")] = None,
+    block_size: Annotated[int, typer.Option(min=1, help="KV-cache block size (tokens are counted in whole blocks).")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+):
+    """Model size: parameters, weight and KV bytes, and what fits in a memory budget per TP size.
+
+    Shows the architecture, the parameter count (cross-checked against the safetensors headers),
+    weight bytes per dtype, KV-cache bytes per token, and for each memory budget and each
+    tensor-parallel size the head counts allow: the KV tokens and concurrent max_model_len requests
+    that fit per GPU.
+
+    Not counted: activations, CUDA graphs, the CUDA context (leave ~10% of the GPU for them)."""
+    try:
+        report = build_report(model, memory or [parse_size(m) for m in cap.DEFAULT_BUDGETS], dtype,
+                              max_model_len, block_size)
+    except CliError as e:
+        exit_with(e)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        print_report(report, Console())
+
+
+def build_report(path: Path, budgets: list[int], dtype: str, max_model_len: int | None, block_size: int) -> dict:
+    from toolkit.config import load_model_config, resolve_dtype
+
+    check_model_folder(path)
+    try:
+        config = load_model_config(path)
+        serving_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot read model {path}: {e}") from None
+    stored = cap.checkpoint_size(config)
+    length = max_model_len or config.max_position_embeddings
+    rows = cap.capacity_table(config, serving_dtype, budgets, block_size, length)
+    return {
+        "model": str(path),
+        "architecture": config.architecture,
+        "family": config.family,
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_heads": config.num_heads,
+        "num_kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "checkpoint_dtype": _name(config.checkpoint_dtype),
+        "num_parameters": config.num_parameters,
+        "checkpoint_parameters": stored.parameters,
+        "parameters_match": stored.parameters == config.num_parameters,
+        "checkpoint_bytes": stored.bytes,
+        "checkpoint_tensor_dtypes": stored.dtypes,
+        "weight_bytes": {name: config.num_parameters * dt.itemsize for name, dt in cap.WEIGHT_DTYPES.items()},
+        "dtype": _name(serving_dtype),
+        "kv_bytes_per_token": kv_cache_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
+                                                       serving_dtype),
+        "block_size": block_size,
+        "max_model_len": length,
+        "capacity": [row.as_dict() for row in rows],
+    }
+
+
+def print_report(r: dict, console: Console) -> None:
+    match = "matches the checkpoint" if r["parameters_match"] else \
+        f"[red]checkpoint tensors hold {r['checkpoint_parameters']:,}[/red]"
+    console.print(f"[bold]{r['model']}[/bold]: {r['architecture']} ({r['family']})")
+    console.print(f"  layers {r['num_layers']}, hidden {r['hidden_size']}, intermediate {r['intermediate_size']}, "
+                  f"vocab {r['vocab_size']}, max positions {r['max_position_embeddings']}")
+    console.print(f"  heads {r['num_heads']}, kv heads {r['num_kv_heads']}, head_dim {r['head_dim']}, "
+                  f"tied embeddings {'yes' if r['tie_word_embeddings'] else 'no'}")
+    console.print(f"  parameters {r['num_parameters']:,} ({match}); stored as "
+                  f"{', '.join(r['checkpoint_tensor_dtypes'])}, {format_size(r['checkpoint_bytes'])}")
+    console.print("  weights " + ", ".join(f"{k} {format_size(v)}" for k, v in r["weight_bytes"].items()))
+    console.print(f"  KV cache {r['kv_bytes_per_token']:,} bytes/token in {r['dtype']} "
+                  f"({format_size(r['kv_bytes_per_token'] * r['max_model_len'])} per {r['max_model_len']}-token request)")
+    console.print(_capacity_table(r))
+
+
+def _capacity_table(r: dict) -> Table:
+    table = Table(title=f"Per GPU, {r['dtype']}, block size {r['block_size']}, requests of "
+                        f"{r['max_model_len']:,} tokens", title_justify="left",
+                  box=box.SIMPLE_HEAD, padding=(0, 1))
+    # Every column but memory and TP is per rank (per GPU).
+    for name in ("memory", "TP", "kv heads", "weights", "KV memory", "KV B/token", "tokens", "requests"):
+        table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
+    for row in r["capacity"]:
+        cells = [format_size(row["memory_bytes"]), str(row["tp"]), str(row["kv_heads_per_rank"]),
+                 format_size(row["weight_bytes_per_rank"])]
+        if row["fits"]:
+            cells += [format_size(row["kv_bytes_per_rank"]), f"{row['kv_bytes_per_token_per_rank']:,}",
+                      format_count(row["tokens"]), format_count(row["requests_at_max_model_len"])]
+        else:
+            cells += ["[red]does not fit[/red]", f"{row['kv_bytes_per_token_per_rank']:,}", "-", "-"]
+        table.add_row(*cells)
+    return table
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")

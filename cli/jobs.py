@@ -1,0 +1,159 @@
+"""One input line -> one `Job`: the prompt, its sampling parameters, or the error that stops it.
+
+Parsing never raises: a bad line becomes a Job with `error` set (naming the line), so one bad line
+in a million costs one error record, not the job. Tokenizing needs the model and happens later,
+in `encode`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.sampling_params import SamplingParams
+from toolkit.tokenizer import render_chat
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+
+
+class LineError(ValueError):
+    """What is wrong with one input line (the caller adds the line number)."""
+
+
+@dataclass
+class Job:
+    line: int
+    id: Any  # what the output record carries: custom_id, the JSONL "id", or the line number
+    kind: str = "completion"  # "completion" | "chat": decides the OpenAI response object
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    params: SamplingParams | None = None
+    error: str | None = None  # set: the line cannot run; the message starts with "line N:"
+
+
+def failed(line: int, job_id: Any, message: str) -> Job:
+    return Job(line=line, id=job_id, error=f"line {line}: {message}")
+
+
+def decode_line(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LineError(f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def load_object(raw: bytes) -> dict:
+    try:
+        obj = json.loads(decode_line(raw))
+    except json.JSONDecodeError as e:
+        raise LineError(f"invalid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise LineError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def text_job(line: int, raw: bytes, params: SamplingParams) -> Job:
+    """Plain text: the whole line is the prompt, and the line number is its id."""
+    try:
+        return Job(line=line, id=line, prompt=decode_line(raw), params=params)
+    except LineError as e:
+        return failed(line, line, str(e))
+
+
+def jsonl_job(line: int, raw: bytes, base: SamplingParams) -> Job:
+    """{"id", "prompt" | "messages" | "prompt_token_ids", ...SamplingParams fields}; id defaults to the line number."""
+    obj: dict = {}
+    try:
+        obj = load_object(raw)
+        job_id = obj.get("id", line)
+        if isinstance(job_id, bool) or not isinstance(job_id, (str, int)):
+            raise LineError(f"id must be a string or an integer, got {job_id!r}")
+        overrides = {k: v for k, v in obj.items() if k != "id" and k not in PROMPT_FIELDS}
+        job = Job(line=line, id=job_id, params=with_overrides(base, overrides))
+        set_prompt(job, obj)
+        return job
+    except LineError as e:
+        return failed(line, _safe_id(obj.get("id"), line), str(e))
+
+
+def set_prompt(job: Job, obj: dict) -> None:
+    """Exactly one of prompt / messages / prompt_token_ids, checked for shape."""
+    given = [k for k in PROMPT_FIELDS if k in obj]
+    if len(given) != 1:
+        raise LineError(f"needs exactly one of {', '.join(PROMPT_FIELDS)}; got {', '.join(given) or 'none'}")
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise LineError("prompt must be a string (use prompt_token_ids for token ids)")
+        job.prompt = obj["prompt"]
+    elif "messages" in obj:
+        job.kind = "chat"
+        job.messages = normalize_messages(obj["messages"])
+    else:
+        job.prompt_token_ids = token_ids(obj["prompt_token_ids"], "prompt_token_ids")
+
+
+def with_overrides(base: SamplingParams, overrides: dict) -> SamplingParams:
+    """The run's parameters with this line's fields replaced; unknown fields and bad values are errors."""
+    unknown = sorted(set(overrides) - SAMPLING_FIELDS)
+    if unknown:
+        raise LineError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
+    if not overrides:
+        return base  # shared: validating the same parameters again for every line is wasted work
+    try:
+        return dataclasses.replace(base, **overrides)
+    except (TypeError, ValueError) as e:
+        raise LineError(str(e)) from None
+
+
+def normalize_messages(messages) -> list[dict]:
+    """Chat messages with string content; OpenAI's [{"type": "text", "text": ...}] parts are joined."""
+    if not isinstance(messages, list) or not messages:
+        raise LineError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise LineError(f"messages[{i}] must be an object with a string role and a content")
+        out.append({**m, "content": _text_content(m["content"], i)})
+    return out
+
+
+def _text_content(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise LineError(f"messages[{i}].content must be a string or a list of text parts (images are not supported)")
+
+
+def token_ids(value, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise LineError(f"{name} must be a list of integers")
+    return value
+
+
+def encode(engine, job: Job) -> list[int]:
+    """The job's prompt as token ids, checked against the model (vocabulary, max_model_len)."""
+    try:
+        if job.prompt_token_ids is not None:
+            ids = job.prompt_token_ids
+        elif job.messages is not None:
+            ids = render_chat(engine.tokenizer, job.messages)
+        else:
+            ids = engine.tokenize(job.prompt)
+    except LineError:
+        raise
+    except Exception as e:  # a chat template or tokenizer failing on one line must not end the whole job
+        raise LineError(f"could not tokenize the prompt: {e}") from None
+    try:
+        engine.validate_prompt(ids, "prompt")
+    except ValueError as e:
+        raise LineError(str(e)) from None
+    return ids
+
+
+def _safe_id(value, line: int):
+    return value if isinstance(value, (str, int)) and not isinstance(value, bool) else line

@@ -1,0 +1,83 @@
+"""Command-line options shared by the commands, grouped into --help panels, and what they build.
+
+Option names follow vLLM's where one exists (--max-num-seqs, --max-model-len, ...), so a command
+line carries over.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.sizes import parse_size
+
+MODEL = "Model"
+SAMPLING = "Sampling (defaults; a JSONL or OpenAI line may override them)"
+ENGINE = "Engine"
+PARALLEL = "Parallel"
+IO = "Input and output"
+
+
+class InputFormat(str, enum.Enum):
+    auto = "auto"
+    text = "text"
+    jsonl = "jsonl"
+    openai = "openai"
+
+
+class AttentionBackend(str, enum.Enum):
+    torch = "torch"
+    triton = "triton"
+
+
+# --- model -----------------------------------------------------------------------------------
+
+ModelOpt = Annotated[Optional[Path], typer.Option(
+    "--model", "-m", rich_help_panel=MODEL, show_default=False,
+    help="Hugging Face model folder (config.json, *.safetensors, tokenizer files). "
+         "Default: the built-in model; before it is trained, a seeded random tiny Llama (gibberish).")]
+DtypeOpt = Annotated[str, typer.Option(
+    rich_help_panel=MODEL, help="Weights and KV-cache dtype: auto (the checkpoint's), float32, bfloat16, float16.")]
+
+# --- engine ----------------------------------------------------------------------------------
+
+BlockSizeOpt = Annotated[int, typer.Option(min=1, rich_help_panel=ENGINE, help="Tokens per KV-cache block.")]
+MaxNumSeqsOpt = Annotated[int, typer.Option(
+    min=1, rich_help_panel=ENGINE, help="Most requests running in one step (the batch size).")]
+MaxBatchedTokensOpt = Annotated[int, typer.Option(
+    min=1, rich_help_panel=ENGINE, help="Token budget of one step; longer prompts are prefilled in chunks.")]
+MaxModelLenOpt = Annotated[Optional[int], typer.Option(
+    min=1, rich_help_panel=ENGINE, show_default=False,
+    help="Longest prompt + output, in tokens. Default: the model's max_position_embeddings.")]
+KVMemoryOpt = Annotated[Optional[int], typer.Option(
+    parser=parse_size, metavar="SIZE", rich_help_panel=ENGINE, show_default=False,
+    help="KV-cache memory, e.g. 2GiB, 512MiB or bytes. Default: 90% of free GPU memory, 30% of free RAM on CPU.")]
+EagerOpt = Annotated[bool, typer.Option(
+    "--eager", rich_help_panel=ENGINE, help="Run the model eagerly, without torch.compile (faster start, slower steps).")]
+BackendOpt = Annotated[Optional[AttentionBackend], typer.Option(
+    rich_help_panel=ENGINE, show_default=False, help="Attention kernels. Default: triton on CUDA, torch on CPU.")]
+DeviceOpt = Annotated[Optional[str], typer.Option(
+    rich_help_panel=ENGINE, show_default=False, help="cuda, cuda:1, cpu, ... Default: cuda when available.")]
+
+# --- parallel --------------------------------------------------------------------------------
+# Parallel flags go here, in the PARALLEL panel, once the engine takes them:
+#   TensorParallelOpt = Annotated[int, typer.Option("--tp", "--tensor-parallel-size", min=1, rich_help_panel=PARALLEL)]
+#   DataParallelOpt   = Annotated[int, typer.Option("--dp", "--data-parallel-size", min=1, rich_help_panel=PARALLEL)]
+# then: engine_kwargs() passes them to EngineConfig; `generate` calls
+# parallel.launch.maybe_relaunch(tp * dp) first (re-running itself under torch.distributed.run), and
+# only the main process reads the resume state, writes records and shows the progress bar.
+
+
+def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                  max_model_len: int | None, kv_cache_memory: int | None, eager: bool,
+                  attention_backend: AttentionBackend | None, device: str | None) -> dict:
+    """EngineConfig's fields from the engine options (`LLM(model, **engine_kwargs(...))` takes the same)."""
+    return dict(
+        dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_cache_memory, enforce_eager=eager,
+        attention_backend=attention_backend.value if attention_backend else None, device=device,
+    )

@@ -1,0 +1,96 @@
+"""The output JSONL file: resuming from what an earlier (perhaps killed) run wrote, and appending to it.
+
+Each record is one `write` of one line followed by a flush, so after `kill -9` the file holds whole
+records plus at most one torn last line. Resuming cuts that torn line off and reports the input
+lines that already have a record; the run then does only the others. Together that gives every
+input line exactly one record, however many times the run is interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import IO
+
+from cli.errors import CliError
+from cli.records import record_id
+
+
+class Resume:
+    """What an existing output file already answers."""
+
+    def __init__(self, done: dict[int, object], errors: int, torn_bytes: int):
+        self.done = done  # {input line number: the id its record carries}
+        self.errors = errors  # how many of those records are errors
+        self.torn_bytes = torn_bytes  # size of the torn last line that was cut off (0: none)
+
+
+def resume_from(path: Path) -> Resume:
+    if not path.exists():
+        return Resume({}, 0, 0)
+    if not path.is_file():
+        raise CliError(f"--output {path} is not a file")
+    done: dict[int, object] = {}
+    errors = good_end = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n") and _could_be_ours(raw):
+                break  # a kill mid-write: our records always end with a newline
+            if raw.strip():
+                record = _parse_record(raw)
+                if record is None:
+                    raise CliError(f"{path} line {number} is not a toolkit output record; "
+                                   "pass another --output, or remove the file to start over")
+                done[record["line"]] = record_id(record)
+                errors += record.get("error") is not None
+            good_end += len(raw)
+    torn = path.stat().st_size - good_end
+    if torn:
+        os.truncate(path, good_end)
+    return Resume(done, errors, torn)
+
+
+# Both record formats are dicts whose first key is "id", so every record line starts like this.
+_RECORD_START = b'{"id": '
+
+
+def _could_be_ours(raw: bytes) -> bool:
+    head = raw[: len(_RECORD_START)]
+    return _RECORD_START[: len(head)] == head
+
+
+def _parse_record(raw: bytes) -> dict | None:
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("line"), int):
+        return None
+    return record
+
+
+class RecordWriter:
+    """Appends one JSON line per record and flushes it, so a kill loses at most the line being written."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._file: IO[str] | None = None
+
+    def __enter__(self) -> "RecordWriter":
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # backslashreplace: a lone surrogate in generated text becomes a valid JSON "\udcxx" escape
+            # instead of an encoding error that would end the run.
+            self._file = open(self.path, "a", encoding="utf-8", errors="backslashreplace")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def write(self, record: dict) -> None:
+        out = self._file if self._file is not None else sys.stdout
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        out.flush()

@@ -1,0 +1,113 @@
+"""Run statistics and the summary table printed at the end of `toolkit generate`.
+
+Latencies come from each request's `RequestMetrics`. Arrival is when the CLI handed the request to
+the engine, so with a window of thousands of queued requests TTFT includes queueing: it is the
+latency a batch job sees, not that of an idle server.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from toolkit.outputs import RequestOutput
+
+PERCENTILES = (50, 90, 99)
+
+
+class RunStats:
+    def __init__(self, skipped: int = 0, skipped_errors: int = 0):
+        self.skipped = skipped  # lines answered by an earlier run of the same output file
+        self.skipped_errors = skipped_errors  # how many of those answers are error records
+        self.succeeded = 0
+        self.errors = 0
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        # array('d'): a million requests cost 8 MB per metric, not a list of Python floats.
+        self.ttft = array("d")
+        self.tpot = array("d")
+        self.start = time.monotonic()
+
+    def add_output(self, out: RequestOutput) -> int:
+        """Counts one finished request; returns its number of generated tokens."""
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        self.succeeded += 1
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.output_tokens += tokens
+        m = out.metrics
+        if m is not None and m.ttft is not None:
+            self.ttft.append(m.ttft)
+            longest = max((len(c.token_ids) for c in out.outputs), default=0)
+            # Time per output token after the first, of the longest of the n sequences (the decode steps).
+            if longest > 1 and m.finished_time is not None:
+                self.tpot.append((m.finished_time - m.first_token_time) / (longest - 1))
+        return tokens
+
+    def add_error(self) -> None:
+        self.errors += 1
+
+    @property
+    def elapsed(self) -> float:
+        return max(time.monotonic() - self.start, 1e-9)
+
+    def as_dict(self) -> dict:
+        return {
+            "requests": self.succeeded + self.errors,
+            "succeeded": self.succeeded,
+            "errors": self.errors,
+            "skipped": self.skipped,
+            "skipped_errors": self.skipped_errors,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "elapsed_s": self.elapsed,
+            "requests_per_s": (self.succeeded + self.errors) / self.elapsed,
+            "output_tokens_per_s": self.output_tokens / self.elapsed,
+            "total_tokens_per_s": (self.prompt_tokens + self.output_tokens) / self.elapsed,
+            "ttft_s": percentiles(self.ttft),
+            "tpot_s": percentiles(self.tpot),
+        }
+
+
+def percentiles(values: array) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES}
+    got = np.percentile(np.frombuffer(values, dtype=np.float64), PERCENTILES)
+    return {f"p{p}": float(v) for p, v in zip(PERCENTILES, got)}
+
+
+def print_summary(stats: RunStats, console: Console, output: str) -> None:
+    s = stats.as_dict()
+    table = Table(title="toolkit generate", title_justify="left", show_header=False, box=None, padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("requests", f"{s['requests']:,} ({s['errors']:,} errors)")
+    if s["skipped"]:
+        errors = f" ({s['skipped_errors']:,} errors)" if s["skipped_errors"] else ""
+        table.add_row("skipped", f"{s['skipped']:,} already in the output{errors}")
+    table.add_row("prompt tokens", f"{s['prompt_tokens']:,}")
+    table.add_row("output tokens", f"{s['output_tokens']:,}")
+    table.add_row("elapsed", f"{s['elapsed_s']:.1f} s")
+    table.add_row("throughput", f"{s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tok/s, "
+                                f"{s['total_tokens_per_s']:.1f} total tok/s")
+    table.add_row("TTFT p50/p90/p99", _ms(s["ttft_s"]))
+    table.add_row("TPOT p50/p90/p99", _ms(s["tpot_s"]))
+    table.add_row("output", output)
+    console.print(table)
+
+
+def summary_line(stats: RunStats, output: str) -> str:
+    """The summary in one line, for --quiet runs whose stderr goes to a log."""
+    s = stats.as_dict()
+    return (f"done: {s['requests']} requests, {s['errors']} errors, {s['skipped']} skipped, "
+            f"{s['output_tokens']} output tokens in {s['elapsed_s']:.1f}s "
+            f"({s['output_tokens_per_s']:.1f} tok/s) -> {output}")
+
+
+def _ms(p: dict) -> str:
+    if p["p50"] is None:
+        return "-"
+    return " / ".join(f"{p[k] * 1e3:.1f}" for k in ("p50", "p90", "p99")) + " ms"

@@ -1,0 +1,404 @@
+"""The `toolkit` command line, driven for real (typer's CliRunner in-process, a subprocess for kill -9).
+
+Oracles: `LLM.generate` / `LLM.chat` on the same checkpoint and parameters for every generated
+record; an uninterrupted run for resumed ones; the safetensors tensors themselves for `info`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import cli.default_model
+from cli.main import app
+from cli.sizes import parse_size
+from tests.checkpoints import write_checkpoint, write_tokenizer
+from toolkit import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 128
+ENGINE_FLAGS = ["--eager", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "8MiB"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The machine is shared: two torch threads fighting other processes for two cores run ~50x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tokenizer(write_checkpoint(tmp_path_factory.mktemp("llama"), "llama3", seed=3))
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(str(ckpt), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN)
+
+
+def toolkit(*args, env=None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env, catch_exceptions=False)
+
+
+def generate(ckpt, *args):
+    return toolkit("generate", "-m", ckpt, *ENGINE_FLAGS, *args)
+
+
+def write_lines(path: Path, lines) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_same_completion(choice_text: str, token_count: int, expected) -> None:
+    assert choice_text == expected.text
+    assert token_count == len(expected.token_ids)
+
+
+# --- input formats ----------------------------------------------------------------------------
+
+
+def test_openai_batch_completions_and_chat_match_llm(ckpt, llm, tmp_path):
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a list comprehension"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}]
+    lines = [
+        {"custom_id": "cmpl-greedy", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "m", "prompt": "the cat sat on", "max_tokens": 9, "temperature": 0}},
+        {"custom_id": "cmpl-ids-n2", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 7, "temperature": 0.9, "seed": 11, "n": 2}},
+        {"custom_id": "chat-greedy", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": chat, "max_completion_tokens": 8, "top_p": 0.9, "temperature": 0}},
+        {"custom_id": "chat-parts", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": parts, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}},
+    ]
+    out = tmp_path / "out.jsonl"
+    result = generate(ckpt, "-i", write_lines(tmp_path / "batch.jsonl", lines), "-o", out)
+    assert result.exit_code == 0, result.output
+
+    expected = {
+        "cmpl-greedy": llm.generate(["the cat sat on"], SamplingParams(temperature=0, max_tokens=9), use_tqdm=False)[0],
+        "cmpl-ids-n2": llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                                    SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=7), use_tqdm=False)[0],
+        "chat-greedy": llm.chat(chat, SamplingParams(temperature=0, top_p=0.9, max_tokens=8), use_tqdm=False)[0],
+        "chat-parts": llm.chat([{"role": "user", "content": "hello world"}],
+                               SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)[0],
+    }
+    records = {r["custom_id"]: r for r in read_records(out)}
+    assert sorted(records) == sorted(expected)
+    for custom_id, record in records.items():
+        exp = expected[custom_id]
+        is_chat = custom_id.startswith("chat")
+        assert record["id"].startswith("batch_req_") and record["error"] is None
+        response = record["response"]
+        assert response["status_code"] == 200 and response["request_id"]
+        body = response["body"]
+        assert body["id"].startswith("chatcmpl-" if is_chat else "cmpl-")
+        assert body["object"] == ("chat.completion" if is_chat else "text_completion")
+        assert isinstance(body["created"], int) and body["model"] == str(ckpt)
+        assert [c["index"] for c in body["choices"]] == list(range(len(exp.outputs)))
+        for choice, want in zip(body["choices"], exp.outputs):
+            text = choice["message"]["content"] if is_chat else choice["text"]
+            if is_chat:
+                assert choice["message"]["role"] == "assistant"
+            assert_same_completion(text, len(want.token_ids), want)
+            assert choice["finish_reason"] == want.finish_reason
+        completion = sum(len(c.token_ids) for c in exp.outputs)
+        assert body["usage"] == {"prompt_tokens": len(exp.prompt_token_ids), "completion_tokens": completion,
+                                 "total_tokens": len(exp.prompt_token_ids) + completion}
+    # Chat logprobs: one entry per generated token, each with its top 2.
+    content = records["chat-parts"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    want = expected["chat-parts"].outputs[0]
+    assert [c["logprob"] for c in content] == pytest.approx([lp[t] for t, lp in zip(want.token_ids, want.logprobs)])
+    assert all(len(c["top_logprobs"]) == 2 for c in content)
+
+
+def test_jsonl_prompts_messages_token_ids_and_overrides_match_llm(ckpt, llm, tmp_path):
+    messages = [{"role": "user", "content": "hello world"}]
+    lines = [
+        {"id": "a", "prompt": "the cat sat on"},
+        {"id": 7, "messages": messages, "max_tokens": 5},
+        {"id": "c", "prompt_token_ids": [9, 10, 11], "temperature": 1.0, "seed": 3, "top_k": 20},
+        {"prompt": "a list comprehension", "stop": ["e"], "max_tokens": 30},  # no id: the line number
+    ]
+    out = tmp_path / "out.jsonl"
+    result = generate(ckpt, "-i", write_lines(tmp_path / "in.jsonl", lines), "-o", out, "--max-tokens", 10)
+    assert result.exit_code == 0, result.output
+
+    expected = {
+        "a": llm.generate(["the cat sat on"], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0],
+        7: llm.chat(messages, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0],
+        "c": llm.generate([{"prompt_token_ids": [9, 10, 11]}],
+                          SamplingParams(temperature=1.0, seed=3, top_k=20, max_tokens=10), use_tqdm=False)[0],
+        4: llm.generate(["a list comprehension"], SamplingParams(temperature=0, max_tokens=30, stop=["e"]),
+                        use_tqdm=False)[0],
+    }
+    records = {r["id"]: r for r in read_records(out)}
+    assert sorted(records, key=str) == sorted(expected, key=str)
+    assert {r["id"]: r["line"] for r in records.values()} == {"a": 1, 7: 2, "c": 3, 4: 4}
+    for rid, record in records.items():
+        want = expected[rid].outputs[0]
+        got = record["outputs"][0]
+        assert record["error"] is None
+        assert got["token_ids"] == want.token_ids
+        assert_same_completion(got["text"], record["usage"]["completion_tokens"], want)
+        assert got["finish_reason"] == want.finish_reason
+        assert record["usage"]["prompt_tokens"] == len(expected[rid].prompt_token_ids)
+        assert record["metrics"]["ttft_s"] <= record["metrics"]["e2e_s"]
+    assert records[4]["outputs"][0]["finish_reason"] == "stop"  # the stop string really fired
+
+
+def test_plain_text_to_stdout_in_small_windows(ckpt, llm, tmp_path):
+    prompts = ["the cat sat on", "hello world", "", "a list comprehension", "python functions", "the dog ran"]
+    path = write_lines(tmp_path / "prompts.txt", prompts)
+    result = generate(ckpt, "-i", path, "--max-tokens", 6, "--window", 2, "--max-num-seqs", 2)
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    # Ids are line numbers; the blank line 3 is skipped but still counted.
+    assert sorted(r["id"] for r in records) == [1, 2, 4, 5, 6]
+    given = [p for p in prompts if p]
+    expected = llm.generate(given, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    by_prompt = {r["prompt"]: r for r in records}
+    for prompt, exp in zip(given, expected):
+        assert by_prompt[prompt]["outputs"][0]["token_ids"] == exp.outputs[0].token_ids
+    assert "output tokens" in result.stderr and "TTFT" in result.stderr  # the summary table
+
+
+def test_single_prompt_prints_the_completion(ckpt, llm):
+    result = generate(ckpt, "the cat sat on", "--max-tokens", 8)
+    assert result.exit_code == 0, result.output
+    expected = llm.generate(["the cat sat on"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert result.stdout == expected.outputs[0].text + "\n"
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+BAD_JSONL = [
+    {"id": "good-1", "prompt": "the cat"},
+    '{"id": "broken", "prompt": ',
+    {"id": "unknown", "prompt": "the cat", "temprature": 0.5},
+    {"id": "too-long", "prompt_token_ids": [5] * (MAX_MODEL_LEN + 10)},
+    {"id": "bad-temp", "prompt": "the cat", "temperature": -1},
+    {"id": "no-prompt", "max_tokens": 3},
+    {"id": "good-2", "prompt": "hello world"},
+]
+
+
+def test_bad_lines_become_error_records_and_exit_1(ckpt, tmp_path):
+    out = tmp_path / "out.jsonl"
+    result = generate(ckpt, "-i", write_lines(tmp_path / "in.jsonl", BAD_JSONL), "-o", out, "--max-tokens", 4)
+    assert result.exit_code == 1
+    records = {r["line"]: r for r in read_records(out)}
+    assert sorted(records) == list(range(1, 8))  # every line exactly once
+    assert records[1]["outputs"] and records[7]["outputs"]
+    reasons = {2: "invalid JSON", 3: "unknown field 'temprature'", 4: f"more than max_model_len {MAX_MODEL_LEN}",
+               5: "temperature must be >= 0", 6: "needs exactly one of prompt"}
+    for line, reason in reasons.items():
+        error = records[line]["error"]
+        assert error.startswith(f"line {line}: ") and reason in error, error
+        assert f"line {line}:" in result.stderr
+    assert records[3]["id"] == "unknown" and records[2]["id"] == 2  # unreadable id: the line number
+
+    # Rerun on the finished file: nothing to redo, and the exit code still reports the failed lines.
+    before = out.read_text()
+    again = generate(ckpt, "-i", tmp_path / "in.jsonl", "-o", out)
+    assert again.exit_code == 1 and "nothing to do" in again.stderr and out.read_text() == before
+
+
+def test_openai_error_records(ckpt, tmp_path):
+    lines = [
+        {"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": {"prompt": "the cat", "max_tokens": 3}},
+        {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "stream", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "stream": True}},
+        {"custom_id": "long", "method": "POST", "url": "/v1/completions", "body": {"prompt": [5] * 200}},
+    ]
+    out = tmp_path / "out.jsonl"
+    result = generate(ckpt, "-i", write_lines(tmp_path / "b.jsonl", lines), "-o", out)
+    assert result.exit_code == 1
+    records = {r["custom_id"]: r for r in read_records(out)}
+    assert records["ok"]["response"]["status_code"] == 200
+    for custom_id, line, reason in (("embed", 2, "url must be"), ("stream", 3, "stream is not supported"),
+                                    ("long", 4, "max_model_len")):
+        assert records[custom_id]["response"] is None
+        assert records[custom_id]["error"]["code"] == "invalid_request"
+        assert records[custom_id]["error"]["message"].startswith(f"line {line}: ")
+        assert reason in records[custom_id]["error"]["message"]
+
+
+def test_fail_fast_stops_at_the_first_bad_line(ckpt, tmp_path):
+    out = tmp_path / "out.jsonl"
+    result = generate(ckpt, "-i", write_lines(tmp_path / "in.jsonl", BAD_JSONL), "-o", out, "--fail-fast")
+    assert result.exit_code == 1
+    assert "line 2: invalid JSON" in result.stderr and "--fail-fast" in result.stderr
+    # The failing line gets no record, so fixing it and rerunning picks it up.
+    assert all(r["error"] is None for r in read_records(out))
+
+
+def test_missing_model_or_input_is_a_one_line_error_with_exit_2(ckpt, tmp_path):
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((ckpt / "config.json").read_text())
+    prompts = write_lines(tmp_path / "p.txt", ["hi"])
+    cases = [
+        (["generate", "hi", "-m", tmp_path / "nope"], "model folder not found"),
+        (["generate", "-i", prompts, "-m", tmp_path], "no config.json"),
+        (["generate", "hi", "-m", no_weights], "no model.safetensors"),
+        (["generate", "-i", tmp_path / "missing.txt", "-m", ckpt], "input file not found"),
+        (["info", tmp_path / "nope"], "model folder not found"),
+        (["generate", "hi", "-m", ckpt, "--temperature", "-2"], "temperature must be >= 0"),
+    ]
+    for args, message in cases:
+        result = toolkit(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "Traceback" not in result.output
+
+
+def test_memory_sizes_parse_like_people_write_them(ckpt):
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("16G") == 16 * 2**30
+    assert parse_size("1000000") == 1_000_000
+    with pytest.raises(ValueError, match="e.g. 2GiB"):
+        parse_size("2 gigs")
+    result = toolkit("generate", "hi", "-m", ckpt, "--kv-cache-memory", "lots")
+    assert result.exit_code == 2 and "invalid size 'lots'" in result.output
+
+
+# --- resume -----------------------------------------------------------------------------------
+
+RESUME_FLAGS = ["--max-tokens", 12, "--ignore-eos", "--max-num-seqs", 2, "--quiet"]
+
+
+def prompts_file(tmp_path: Path, n: int) -> Path:
+    return write_lines(tmp_path / "prompts.txt", [f"the cat number {i} sat on" for i in range(n)])
+
+
+def by_line(path: Path) -> dict[int, list[int]]:
+    records = read_records(path)
+    lines = [r["line"] for r in records]
+    assert len(lines) == len(set(lines)), "a line was written twice"
+    return {r["line"]: r["outputs"][0]["token_ids"] for r in records}
+
+
+def test_resume_after_kill_9_finishes_every_line_exactly_once(ckpt, tmp_path):
+    prompts = prompts_file(tmp_path, 30)
+    reference = tmp_path / "reference.jsonl"
+    assert generate(ckpt, "-i", prompts, "-o", reference, *RESUME_FLAGS).exit_code == 0
+
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
+           *RESUME_FLAGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while (not out.exists() or out.read_bytes().count(b"\n") < 4) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    written = out.read_bytes().count(b"\n")
+    assert 4 <= written < 30, f"the run was not killed part-way ({written} lines)"
+
+    result = generate(ckpt, "-i", prompts, "-o", out, *RESUME_FLAGS)
+    assert result.exit_code == 0, result.output
+    assert f"{written} skipped" in result.stderr
+    assert by_line(out) == by_line(reference)  # greedy: the union equals an uninterrupted run
+
+
+def test_torn_last_line_is_cut_and_redone(ckpt, tmp_path):
+    prompts = prompts_file(tmp_path, 8)
+    reference = tmp_path / "reference.jsonl"
+    assert generate(ckpt, "-i", prompts, "-o", reference, *RESUME_FLAGS).exit_code == 0
+    lines = reference.read_text().splitlines(keepends=True)
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])  # a kill in the middle of a write
+
+    result = generate(ckpt, "-i", prompts, "-o", out, "--max-tokens", 12, "--ignore-eos", "--max-num-seqs", 2)
+    assert result.exit_code == 0, result.output
+    assert "torn last line" in result.stderr
+    assert by_line(out) == by_line(reference)
+
+
+def test_resume_refuses_an_output_written_for_another_input(ckpt, tmp_path):
+    out = tmp_path / "out.jsonl"
+    first = write_lines(tmp_path / "first.jsonl", [{"id": "x", "prompt": "the cat"}, {"id": "y", "prompt": "a"}])
+    assert generate(ckpt, "-i", first, "-o", out, "--max-tokens", 2).exit_code == 0
+    other = write_lines(tmp_path / "other.jsonl", [{"id": "p", "prompt": "the cat"}, {"id": "q", "prompt": "a"}])
+    result = generate(ckpt, "-i", other, "-o", out, "--max-tokens", 2)
+    assert result.exit_code == 2 and "written for another input" in result.stderr
+    assert len(read_records(out)) == 2  # untouched
+
+
+# --- default model ----------------------------------------------------------------------------
+
+
+def test_default_model_falls_back_to_a_cached_random_llama(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli.default_model, "TRAINED_MODEL", tmp_path / "not-trained-yet")
+    env = {"TOOLKIT_CACHE": str(tmp_path / "cache")}
+    result = toolkit("generate", "hello world", "--eager", "--max-tokens", 4, "--kv-cache-memory", "8MiB",
+                     "--max-model-len", 64, env=env)
+    assert result.exit_code == 0, result.output
+    assert "RANDOM" in result.stderr and result.stdout.endswith("\n")
+    model = tmp_path / "cache" / "default-random"
+    stamp = (model / "model.safetensors").stat().st_mtime_ns
+    again = toolkit("generate", "hello world", "--eager", "--max-tokens", 4, "--kv-cache-memory", "8MiB",
+                    "--max-model-len", 64, env=env)
+    assert again.stdout == result.stdout  # seeded and built once: same model, same greedy text
+    assert (model / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+# --- info -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama3", "tied_mqa"])
+def test_info_figures_match_the_checkpoint_tensors(family, tmp_path):
+    path = write_checkpoint(tmp_path / family, family, seed=0)
+    tensors = load_file(path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    result = toolkit("info", path, "--json", "--memory", "1MiB", "--memory", "64KiB")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+
+    params = sum(t.numel() for t in tensors.values())  # save_pretrained stores a tied lm_head once
+    assert info["num_parameters"] == info["checkpoint_parameters"] == params
+    assert info["weight_bytes"] == {"float32": 4 * params, "bfloat16": 2 * params, "float16": 2 * params}
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    assert info["kv_bytes_per_token"] == 2 * layers * kv_heads * head_dim * 4
+
+    rows = {(r["memory_bytes"], r["tp"]): r for r in info["capacity"]}
+    assert {tp for _, tp in rows} == {1, 2, 4}  # 4 heads: tp 8 does not divide them
+    max_len, block = config["max_position_embeddings"], 16
+    for tp in (1, 2, 4):
+        heads = math.ceil(kv_heads / tp)  # MQA: the one kv head is replicated on every rank
+        row = rows[(2**20, tp)]
+        weights = math.ceil(params * 4 / tp)
+        blocks = (2**20 - weights) // (block * 2 * layers * heads * head_dim * 4)
+        assert row["kv_heads_per_rank"] == heads and row["weight_bytes_per_rank"] == weights
+        assert row["tokens"] == blocks * block
+        assert row["requests_at_max_model_len"] == blocks // math.ceil(max_len / block)
+    assert not rows[(64 * 2**10, 1)]["fits"]  # 64 KiB holds less than the weights
+
+    table = toolkit("info", path, "--memory", "1MiB")
+    assert table.exit_code == 0 and "matches the checkpoint" in table.stdout

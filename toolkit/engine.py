@@ -130,6 +130,7 @@ class Engine:
             attention_backend=backend,
             load_format=config.load_format,
             compile_backend=config.compile_backend,
+            cuda_graphs=config.cuda_graphs,
             tp=self.tp,
         )
         kv = self.runner.kv_spec

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from parallel import gather_outputs, is_main_process, my_share, request_cost
 from toolkit.engine import Engine, EngineConfig
 from toolkit.outputs import RequestOutput
 from toolkit.sampling_params import SamplingParams
@@ -35,6 +36,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
+        Under tensor/data parallelism every rank calls this with the same prompts; global rank 0
+        returns all the outputs and every other rank returns [].
+
         Every prompt is tokenized and validated before any work starts, so a bad prompt raises a
         ValueError naming its index and nothing is lost half-way.
         """
@@ -43,14 +47,19 @@ class LLM:
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        # Data parallel: this replica serves its token-balanced share; rank 0 gathers everything.
+        state = self.engine.parallel
+        max_len = self.engine.max_model_len
+        costs = [request_cost(len(ids), sp.max_tokens, sp.n, max_len) for (_, ids), sp in zip(encoded, params)]
+        mine = my_share(state, costs)
+        first, self._counter = self._counter, self._counter + len(prompts)
         ids = []
-        for i, ((text, token_ids), sp) in enumerate(zip(encoded, params)):
-            rid = str(self._counter)
-            self._counter += 1
-            self.engine.add_request(rid, token_ids, sp, prompt=text, priority=priority[i] if priority else 0)
+        for i in mine:
+            (text, token_ids), rid = encoded[i], str(first + i)
+            self.engine.add_request(rid, token_ids, params[i], prompt=text, priority=priority[i] if priority else 0)
             ids.append(rid)
-        results = {out.request_id: out for out in self._run(len(ids), use_tqdm)}
-        return [results[rid] for rid in ids]
+        results = {out.request_id: out for out in self._run(len(ids), use_tqdm and is_main_process())}
+        return gather_outputs(state, mine, [results[rid] for rid in ids], len(prompts))
 
     def chat(
         self,

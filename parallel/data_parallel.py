@@ -1,0 +1,63 @@
+"""Data parallelism: dp independent replicas (each a TP group with its own engine), requests split.
+
+Every rank sees the whole prompt list and computes the same split, so no request list is ever sent.
+The split balances tokens, not counts: a request costs its prompt plus the tokens it may generate,
+because one long request can take as long as many short ones. Each replica runs its share through
+its own engine; the outputs are gathered on global rank 0, which returns them in input order.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def request_cost(prompt_len: int, max_tokens: int | None, n: int, max_model_len: int) -> int:
+    """Tokens a request may take: its prompt and up to max_tokens per sequence, n sequences."""
+    new = max_tokens if max_tokens is not None else max_model_len - prompt_len
+    return n * (prompt_len + new)
+
+
+def split_by_tokens(costs: list[int], num_replicas: int) -> list[list[int]]:
+    """Request indices per replica, each replica's list in input order.
+
+    Longest first onto the least-loaded replica (ties to the lower replica and the earlier request),
+    a deterministic greedy that keeps the largest load within one request of the best split.
+    """
+    loads = [0] * num_replicas
+    shares: list[list[int]] = [[] for _ in range(num_replicas)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        replica = min(range(num_replicas), key=lambda r: (loads[r], r))
+        shares[replica].append(i)
+        loads[replica] += costs[i]
+    return [sorted(share) for share in shares]
+
+
+def my_share(state, costs: list[int]) -> list[int]:
+    """The indices this rank's replica serves (all of them without data parallelism)."""
+    if state is None or state.dp_size == 1:
+        return list(range(len(costs)))
+    return split_by_tokens(costs, state.dp_size)[state.dp_rank]
+
+
+def gather_outputs(state, indices: list[int], outputs: list, total: int) -> list:
+    """Every replica's outputs on global rank 0, in input order; [] on every other rank."""
+    if state is None:
+        return outputs
+    parts = gather_replicas(state, list(zip(indices, outputs)))
+    if parts is None:
+        return []
+    by_index = dict(pair for part in parts for pair in part)
+    return [by_index[i] for i in range(total)]
+
+
+def gather_replicas(state, obj) -> list | None:
+    """One picklable object from each replica (its TP rank 0), in replica order, on global rank 0;
+    None on every other rank. The TP ranks of a replica hold the same results: one copy is sent."""
+    if state.dp_size == 1:
+        return [obj] if state.is_main else None
+    mine = obj if state.tp_rank == 0 else None
+    parts = [None] * state.world_size if state.is_main else None
+    dist.gather_object(mine, parts, dst=0, group=state.gather_group)
+    if not state.is_main:
+        return None
+    return parts[:: state.tp_size]  # global ranks dp * tp + 0: each replica's TP rank 0

@@ -1,0 +1,190 @@
+"""Process groups and the device mesh: one process per device, every parallel dimension named.
+
+The processes are started by torchrun (or by `parallel.launch`, which re-launches through the same
+`torch.distributed.run`), so rank, world size and the rendezvous come from the environment that
+torchrun sets. This module checks the requested sizes against that world, and the model's head
+counts against the tensor-parallel size, before any collective or weight read: a bad configuration
+fails on every rank at once with the same message, instead of one rank waiting for another forever.
+
+Mesh: `init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))`. Pipeline
+parallelism is not implemented; its dimension is there with size 1 so the layout (tp innermost:
+a TP group is consecutive ranks, i.e. one node's devices) stays the same when it is, and expert
+parallelism will add its own name the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+log = logging.getLogger("toolkit")
+
+MESH_DIM_NAMES = ("dp", "pp", "tp")
+TIMEOUT_ENV = "TOOLKIT_DIST_TIMEOUT"
+# A collective waiting longer than this on a silent peer fails the job rather than hanging it.
+# (A peer that dies closes its sockets and fails its peers at once; the timeout is for hung ones.)
+# It must exceed the longest gap between two collectives, e.g. one rank's torch.compile.
+DEFAULT_TIMEOUT_S = 600.0
+# Data-parallel replicas meet only once, to gather their outputs on rank 0, and one may finish its
+# share hours after another: that one collective gets its own group with a day-long timeout.
+GATHER_TIMEOUT = timedelta(hours=24)
+
+
+class ParallelConfigError(ValueError):
+    """The parallel sizes do not fit the launch (world size) or the model (head counts)."""
+
+
+@dataclass
+class ParallelState:
+    """This process's place in the mesh, and the tensor-parallel helper of its replica."""
+
+    mesh: DeviceMesh
+    device: torch.device
+    tp: object | None  # parallel.TensorParallel when tp > 1, else None
+    gather_group: dist.ProcessGroup | None  # CPU (gloo) group for the outputs, when dp > 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh["tp"].size()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.get_local_rank("tp")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_world_size() -> int:
+    """Processes in this launch: torchrun's WORLD_SIZE, 1 when not launched by torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 and in a single-process run: the process that writes outputs."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def processes_per_device(device: torch.device) -> int:
+    """Processes sharing this process's memory pool: a GPU is its own, a CPU host is shared by all
+    of the node's processes (torchrun's LOCAL_WORLD_SIZE), so a memory fraction is split among them."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+
+
+def dist_timeout() -> timedelta:
+    raw = os.environ.get(TIMEOUT_ENV)
+    try:
+        seconds = DEFAULT_TIMEOUT_S if raw is None else float(raw)
+    except ValueError:
+        raise ParallelConfigError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if seconds <= 0:
+        raise ParallelConfigError(f"{TIMEOUT_ENV} must be > 0 seconds, got {raw!r}")
+    return timedelta(seconds=seconds)
+
+
+def check_sizes(tp: int, dp: int, world_size: int) -> None:
+    for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+        if not isinstance(size, int) or size < 1:
+            raise ParallelConfigError(f"{name} must be an integer >= 1, got {size!r}")
+    if tp * dp != world_size:
+        hint = (
+            f"launch tp x dp = {tp * dp} processes, or choose sizes whose product is {world_size}"
+            if "LOCAL_RANK" in os.environ  # inside torchrun
+            else f"start it with torchrun --nproc-per-node {tp * dp} (or `toolkit generate --tp/--dp`, "
+            "which does that by itself)"
+        )
+        raise ParallelConfigError(
+            f"tensor_parallel_size {tp} x data_parallel_size {dp} = {tp * dp} processes, "
+            f"but this launch has a world size of {world_size}: {hint}"
+        )
+
+
+def setup_parallel(tp: int, dp: int, device: str | torch.device | None, model_config) -> ParallelState | None:
+    """Join the process group and build the mesh; None for a plain single-process run.
+
+    `model_config` is checked against tp first (heads divisible, see `check_tensor_parallel`), so
+    that error is raised before anything is loaded or any peer is waited for.
+    """
+    from parallel.tensor_parallel import TensorParallel, check_tensor_parallel
+
+    world = launched_world_size()
+    if tp * dp == 1 and world == 1:
+        return None
+    check_sizes(tp, dp, world)
+    check_tensor_parallel(model_config, tp)
+    device = local_device(device)
+    _init_process_group(device, world)
+    mesh = init_device_mesh(device.type, (dp, 1, tp), mesh_dim_names=MESH_DIM_NAMES)
+    _log_rank0_only()
+    tp_helper = TensorParallel(mesh["tp"], model_config, device) if tp > 1 else None
+    gather_group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT) if dp > 1 else None
+    state = ParallelState(mesh, device, tp_helper, gather_group)
+    log.info(
+        "parallel: world %d = dp %d x tp %d, backend %s, device %s, collective timeout %.0f s",
+        world, dp, tp, dist.get_backend(), device.type, dist_timeout().total_seconds(),
+    )
+    return state
+
+
+def local_device(device: str | torch.device | None) -> torch.device:
+    """This process's device: cuda:LOCAL_RANK on GPUs (one process per device), else the CPU."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)  # NCCL and the object collectives use the current device
+    return device
+
+
+def _init_process_group(device: torch.device, world: int) -> None:
+    if dist.is_initialized():
+        # A second LLM in the same job reuses the group; it must be the same world.
+        if dist.get_world_size() != world:
+            raise ParallelConfigError(
+                f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE is {world}"
+            )
+        return
+    if "MASTER_ADDR" not in os.environ:
+        raise ParallelConfigError(
+            f"WORLD_SIZE is {world} but MASTER_ADDR is not set: start the job with torchrun "
+            "(or parallel.launch), which sets the rendezvous environment"
+        )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=dist_timeout())
+
+
+def _log_rank0_only() -> None:
+    """One line per event: ranks other than 0 keep only errors (every rank would say the same)."""
+    if dist.get_rank() != 0:
+        logging.getLogger("toolkit").setLevel(logging.ERROR)
+
+
+def shutdown() -> None:
+    """Leave the process group (at the end of a job; safe to call when none was joined)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,61 @@
+"""Start a multi-process job without knowing torchrun: re-run this very command through it.
+
+`toolkit generate --tp 2 ...` run from a shell is one process; it calls `maybe_relaunch(2)`, which
+runs the same command line again as 2 processes through `torch.distributed.run` (the code behind
+`torchrun`: elastic agent, `--standalone` rendezvous on a free local port) and waits for them. In
+those children torchrun has set LOCAL_RANK/WORLD_SIZE, so `maybe_relaunch` returns None there and
+the command goes on to do the work. Single node only: several nodes are started with torchrun on
+each node (see recipes/run_multinode.sh).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+log = logging.getLogger("toolkit")
+
+
+def launched_by_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def maybe_relaunch(nproc: int, argv: list[str] | None = None) -> int | None:
+    """Exit code of the relaunched job; None when this process should do the work itself.
+
+    None when one process is enough or when already inside a torchrun launch. The CLI does
+    `code = maybe_relaunch(tp * dp); if code is not None: sys.exit(code)` before building the LLM.
+    """
+    if nproc <= 1 or launched_by_torchrun():
+        return None
+    return relaunch(nproc, argv)
+
+
+def relaunch(nproc: int, argv: list[str] | None = None) -> int:
+    """Run `argv` (default: this process's command line) as nproc processes; their exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", *_this_program(argv)])
+    log.info("relaunching as %d processes through torch.distributed.run", nproc)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        log.error("the job failed: %s", ", ".join(f"rank {r} exit code {f.exitcode}" for r, f in e.failures.items()))
+        return next((c for c in codes if c and c > 0), 1)
+    return 0
+
+
+def _this_program(argv: list[str] | None) -> list[str]:
+    """torchrun's program arguments: `argv` as given, or this process's own command line."""
+    if argv is not None:
+        return list(argv)
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name != "__main__":
+        # `python -m package.module`: run the module again, not its file (keeps package imports).
+        return ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
+    if sys.argv[0] in ("-c", ""):
+        raise RuntimeError("cannot relaunch `python -c ...`: start the job with torchrun instead")
+    return list(sys.argv)

@@ -1,0 +1,101 @@
+"""The program tests/test_parallel.py runs under torchrun (it holds no tests itself).
+
+Every rank builds `LLM(model, tensor_parallel_size=..., data_parallel_size=...)` for each --model
+in turn and generates greedily for the prompts in --prompts; each rank writes what it saw to
+<out>/rank<R>.json: rank 0 the generated token ids, every rank its resident parameter bytes and
+its KV-cache shape. Fault injection for the failure tests: --model-for-rank gives one rank its own
+copy of the checkpoint (e.g. one that lacks a shard file), --fail-rank/--fail-after-steps makes one
+rank exit or hang in the middle of generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor
+
+from toolkit import LLM, SamplingParams
+
+__test__ = False  # not a test module: pytest must not collect anything here
+
+
+def main() -> None:
+    args = parse_args()
+    rank = int(os.environ["RANK"])
+    prompts = json.loads(Path(args.prompts).read_text())
+    overrides = dict(item.split("=", 1) for item in args.model_for_rank)
+    report = {"rank": rank, "models": []}
+    for model in args.model:
+        path = overrides.get(str(rank), model)  # the failure tests pass a single --model
+        llm = LLM(
+            path, dtype="float32", enforce_eager=args.compile is None, compile_backend=args.compile or "inductor",
+            max_model_len=128, block_size=16, skip_tokenizer_init=True,
+            tensor_parallel_size=args.tp, data_parallel_size=args.dp,
+        )
+        if rank == args.fail_rank:
+            fail_after(llm, args.fail_after_steps, args.fail_mode)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
+        runner = llm.engine.runner
+        report["models"].append({
+            "model": model,
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "param_bytes": resident_param_bytes(runner.model),
+            "kv_shape": list(runner.kv_caches[0].shape),
+            "compiled_graphs": counters["stats"]["unique_graphs"],
+        })
+        del llm
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", action="append", required=True)
+    p.add_argument("--model-for-rank", action="append", default=[], metavar="RANK=PATH")
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND", help="torch.compile (default: eager)")
+    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--fail-after-steps", type=int, default=3)
+    p.add_argument("--fail-mode", choices=("exit", "hang"), default="exit")
+    return p.parse_args()
+
+
+def fail_after(llm: LLM, steps: int, mode: str) -> None:
+    """Make this rank fail in the middle of generation: vanish (no exception, no clean-up; its
+    sockets close) or hang (alive and silent, as a frozen host looks: only a timeout can tell)."""
+    step, count = llm.engine.step, [0]
+
+    def failing_step():
+        count[0] += 1
+        if count[0] > steps:
+            if mode == "exit":
+                os._exit(17)
+            time.sleep(3600)
+        return step()
+
+    llm.engine.step = failing_step
+
+
+def resident_param_bytes(model) -> int:
+    """Bytes of the storage behind this rank's parameters (shared storage, e.g. tied, counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
 
 from cli import options as o
 from cli.batch import BatchRunner, LineFailed
@@ -17,7 +19,7 @@ from cli.errors import EXIT_LINE_FAILED, CliError, exit_with, stderr_console
 from cli.input_file import detect_format, iter_lines
 from cli.jobs import Job, jsonl_job, text_job
 from cli.openai_batch import OpenAIRecords, parse_request
-from cli.output_file import RecordWriter, Resume, resume_from
+from cli.output_file import RecordWriter, Resume, merge_shards, resume_from, shard_path
 from cli.progress import Reporter
 from cli.records import NativeRecords
 from cli.resume_check import check_input_matches
@@ -34,6 +36,31 @@ class IOArgs:
     fail_fast: bool
     quiet: bool
     window: int
+
+
+@dataclass
+class Ranks:
+    """This process's place in a tp x dp launch (tp innermost, as parallel's mesh lays it out)."""
+
+    tp: int = 1
+    dp: int = 1
+    rank: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def main(self) -> bool:  # global rank 0: output (or the merge), progress, summary, resume scan
+        return self.rank == 0
+
+    @property
+    def writer(self) -> bool:  # its replica's TP rank 0: writes the replica's records
+        return self.rank % self.tp == 0
 
 
 def generate(
@@ -86,6 +113,8 @@ def generate(
     eager: o.EagerOpt = False,
     attention_backend: o.BackendOpt = None,
     device: o.DeviceOpt = None,
+    tp: o.TensorParallelOpt = 1,
+    dp: o.DataParallelOpt = 1,
 ):
     """Generate completions for one prompt or a file of them.
 
@@ -102,24 +131,58 @@ def generate(
     engine = o.engine_kwargs(
         dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, eager=eager,
-        attention_backend=attention_backend, device=device,
+        attention_backend=attention_backend, device=device, tensor_parallel_size=tp, data_parallel_size=dp,
     )
+    ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")))
     try:
-        code = run_prompt(io, model, sampling, engine) if prompt is not None else run_file(io, model, sampling, engine)
+        if tp * dp > 1:
+            check_parallel_args(io, dp)
+            from parallel import maybe_relaunch
+
+            relaunched = maybe_relaunch(tp * dp)  # outside torchrun: run this command as tp x dp processes
+            if relaunched is not None:
+                raise typer.Exit(relaunched)
+        try:
+            code = (run_prompt(io, model, sampling, engine, ranks) if prompt is not None
+                    else run_file(io, model, sampling, engine, ranks))
+        finally:
+            if ranks.world > 1:
+                from parallel import shutdown
+
+                shutdown()
     except CliError as e:
+        if not ranks.main:
+            raise typer.Exit(e.code) from None  # every rank hits the same error: rank 0 says it
         exit_with(e)
     raise typer.Exit(code)
 
 
-def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict) -> int:
+def check_parallel_args(io: IOArgs, dp: int) -> None:
+    """Before relaunching: the mistakes every rank would otherwise report."""
+    if io.prompt is not None:
+        if dp > 1:
+            raise CliError("--dp splits an input file among replicas: use --input FILE --output OUT "
+                           "(a single PROMPT runs with --tp only)")
+        return
+    if io.input is None:
+        raise CliError("give a PROMPT or --input FILE (see toolkit generate --help)")
+    if not io.input.is_file():
+        raise CliError(f"input file not found: {io.input}")
+    if dp > 1 and io.output is None:
+        raise CliError("--dp writes one shard file per replica, merged at the end: give --output FILE")
+
+
+def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, ranks: Ranks = Ranks()) -> int:
     if io.input is not None or io.output is not None:
         raise CliError("a PROMPT's completion is printed to stdout; --input and --output are for prompt files")
-    console = stderr_console()
+    console = stderr_console() if ranks.main else Console(quiet=True)
     base = base_params(sampling)
     engine = load_engine(model, engine_args, console, io.quiet)
     job = Job(line=1, id=1, prompt=io.prompt, params=base)
 
     def print_text(record: dict) -> None:
+        if not ranks.main:
+            return
         for completion in record["outputs"]:
             sys.stdout.write(completion["text"] + "\n")
         sys.stdout.flush()
@@ -133,34 +196,65 @@ def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict
     return 0
 
 
-def run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict) -> int:
+def run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, ranks: Ranks = Ranks()) -> int:
     if io.input is None:
         raise CliError("give a PROMPT or --input FILE (see toolkit generate --help)")
     if not io.input.is_file():
         raise CliError(f"input file not found: {io.input}")
-    console = stderr_console()
+    console = stderr_console() if ranks.main else Console(quiet=True)
     base = base_params(sampling)
     fmt = detect_format(io.input) if io.input_format == "auto" else io.input_format
-    resume = resume_from(io.output) if io.output is not None else Resume({}, 0, 0)
-    # Before the (slow) model load: a reused output path from another input fails at once.
-    total = check_input_matches(io.input, fmt, resume.done, io.output)
-    if (resume.done or resume.torn_bytes) and not io.quiet:
-        console.print(_resume_message(resume, total, io.output), soft_wrap=True)
+    resume, total = Resume({}, 0, 0), 0
+    if ranks.main:  # only rank 0 reads (and trims) the output; the other ranks get its answer below
+        if ranks.dp > 1:
+            merge_shards(io.output)  # shards an interrupted --dp run left behind
+        resume = resume_from(io.output) if io.output is not None else Resume({}, 0, 0)
+        # Before the (slow) model load: a reused output path from another input fails at once.
+        total = check_input_matches(io.input, fmt, resume.done, io.output)
+        if (resume.done or resume.torn_bytes) and not io.quiet:
+            console.print(_resume_message(resume, total, io.output), soft_wrap=True)
+        # A single process may stop here; ranks must all get to the engine (the others wait for rank 0 there).
+        if len(resume.done) == total and ranks.world == 1:
+            return EXIT_LINE_FAILED if resume.errors else 0
+    engine = load_engine(model, engine_args, console, io.quiet)
+    if ranks.world > 1:
+        import torch.distributed as dist
+
+        shared = [(resume.done, resume.errors, total)]
+        dist.broadcast_object_list(shared, src=0)
+        done, errors, total = shared[0]
+        resume = Resume(done, errors, 0)
     # The exit code describes the whole output file, so error records from an earlier run count.
     failed = EXIT_LINE_FAILED if resume.errors else 0
-    if len(resume.done) == total:
-        return failed
-    engine = load_engine(model, engine_args, console, io.quiet)
+    share = (ranks.replica, ranks.dp) if ranks.dp > 1 else None
+    shown_total, shown_done = total, len(resume.done)
+    if share is not None and ranks.main:  # the bar counts this replica's lines
+        shown_total = sum(1 for line, _ in iter_lines(io.input) if line % ranks.dp == ranks.replica)
+        shown_done = sum(1 for line in resume.done if line % ranks.dp == ranks.replica)
     records = OpenAIRecords(str(model or "toolkit-default"), engine.tokenizer) if fmt == "openai" else NativeRecords()
     stats = RunStats(skipped=len(resume.done), skipped_errors=resume.errors)
     where = str(io.output) if io.output else "stdout"
-    with RecordWriter(io.output) as writer, Reporter(console, total, len(resume.done), not io.quiet) as reporter:
-        runner = BatchRunner(engine, records, writer.write, stats, reporter, io.window, io.fail_fast)
+    target = io.output if share is None else shard_path(io.output, ranks.replica, ranks.dp)
+    with RecordWriter(target if ranks.writer else None) as writer, \
+            Reporter(console, shown_total, shown_done, not io.quiet and ranks.main) as reporter:
+        write = writer.write if ranks.writer else (lambda record: None)
+        runner = BatchRunner(engine, records, write, stats, reporter, io.window, io.fail_fast)
         try:
-            runner.run(read_jobs(io.input, fmt, base, resume.done))
+            runner.run(read_jobs(io.input, fmt, base, resume.done, share))
         except LineFailed as e:
             raise CliError(f"{e} (--fail-fast: stopped; fix the line and rerun with the same --output to resume)",
                            code=EXIT_LINE_FAILED) from None
+    if share is not None:
+        from parallel import gather_replicas
+
+        # Also the barrier: once rank 0 has every replica's stats, every shard is complete and closed.
+        parts = gather_replicas(engine.parallel, stats)
+        if not ranks.main:
+            return 0
+        merge_shards(io.output)
+        stats = _combine(parts)
+    if not ranks.main:
+        return 0
     if io.quiet:
         console.print(summary_line(stats, where), soft_wrap=True)
     else:
@@ -168,10 +262,11 @@ def run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict) 
     return EXIT_LINE_FAILED if stats.errors else failed
 
 
-def read_jobs(path: Path, fmt: str, base: SamplingParams, done: dict):
-    """Jobs for the lines without a record yet, parsed lazily as the runner asks for them."""
+def read_jobs(path: Path, fmt: str, base: SamplingParams, done: dict, share: tuple[int, int] | None = None):
+    """Jobs for the lines without a record yet, parsed lazily as the runner asks for them.
+    `share` (replica, dp): only the lines whose number % dp == replica (data parallel)."""
     for line, raw in iter_lines(path):
-        if line in done:
+        if line in done or (share is not None and line % share[1] != share[0]):
             continue
         if fmt == "openai":
             yield parse_request(line, raw, base)
@@ -179,6 +274,19 @@ def read_jobs(path: Path, fmt: str, base: SamplingParams, done: dict):
             yield jsonl_job(line, raw, base)
         else:
             yield text_job(line, raw, base)
+
+
+def _combine(parts: list[RunStats]) -> RunStats:
+    """The replicas' stats as one run (rank 0's clock and skipped counts)."""
+    total = parts[0]
+    for other in parts[1:]:
+        total.succeeded += other.succeeded
+        total.errors += other.errors
+        total.prompt_tokens += other.prompt_tokens
+        total.output_tokens += other.output_tokens
+        total.ttft.extend(other.ttft)
+        total.tpot.extend(other.tpot)
+    return total
 
 
 def base_params(sampling: dict) -> SamplingParams:

@@ -63,21 +63,27 @@ DeviceOpt = Annotated[Optional[str], typer.Option(
     rich_help_panel=ENGINE, show_default=False, help="cuda, cuda:1, cpu, ... Default: cuda when available.")]
 
 # --- parallel --------------------------------------------------------------------------------
-# Parallel flags go here, in the PARALLEL panel, once the engine takes them:
-#   TensorParallelOpt = Annotated[int, typer.Option("--tp", "--tensor-parallel-size", min=1, rich_help_panel=PARALLEL)]
-#   DataParallelOpt   = Annotated[int, typer.Option("--dp", "--data-parallel-size", min=1, rich_help_panel=PARALLEL)]
-# then: engine_kwargs() passes them to EngineConfig; `generate` calls
-# parallel.launch.maybe_relaunch(tp * dp) first (re-running itself under torch.distributed.run), and
-# only the main process reads the resume state, writes records and shows the progress bar.
+# `generate` relaunches itself through torch.distributed.run (parallel.maybe_relaunch(tp * dp)) when
+# tp * dp > 1 outside torchrun; inside torchrun each process is one SPMD rank.
+
+TensorParallelOpt = Annotated[int, typer.Option(
+    "--tp", "--tensor-parallel-size", min=1, rich_help_panel=PARALLEL,
+    help="Processes that split each layer (tensor parallel). tp x dp > 1 starts that many processes by itself.")]
+DataParallelOpt = Annotated[int, typer.Option(
+    "--dp", "--data-parallel-size", min=1, rich_help_panel=PARALLEL,
+    help="Independent replicas, each serving a share of the input lines (needs --input/--output); "
+         "each writes OUTPUT.dpI-of-N, merged into OUTPUT at the end.")]
 
 
 def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                   max_model_len: int | None, kv_cache_memory: int | None, eager: bool,
-                  attention_backend: AttentionBackend | None, device: str | None) -> dict:
+                  attention_backend: AttentionBackend | None, device: str | None,
+                  tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> dict:
     """EngineConfig's fields from the engine options (`LLM(model, **engine_kwargs(...))` takes the same)."""
     return dict(
         dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         kv_cache_memory_bytes=kv_cache_memory, enforce_eager=eager,
         attention_backend=attention_backend.value if attention_backend else None, device=device,
+        tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
     )

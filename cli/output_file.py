@@ -8,6 +8,7 @@ input line exactly one record, however many times the run is interrupted.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -94,3 +95,50 @@ class RecordWriter:
         out = self._file if self._file is not None else sys.stdout
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
         out.flush()
+
+
+# --- data parallel shards ----------------------------------------------------------------------
+# With --dp N, replica i writes its records to OUTPUT.dp{i}-of-{N} (flushed per record, like OUTPUT).
+# Once every replica is done, global rank 0 appends the shards' records that OUTPUT lacks and deletes
+# the shards; a run that starts with shards left by an interrupted one merges them first. Either way
+# every input line ends up in OUTPUT exactly once.
+
+
+def shard_path(output: Path, index: int, count: int) -> Path:
+    return output.with_name(f"{output.name}.dp{index}-of-{count}")
+
+
+def existing_shards(output: Path) -> list[Path]:
+    return sorted(Path(p) for p in glob.glob(glob.escape(str(output)) + ".dp*-of-*"))
+
+
+def merge_shards(output: Path) -> int:
+    """Append every shard's records for lines OUTPUT has no record of yet, then delete the shards;
+    returns how many records were appended. A torn last line in a shard (a killed run) is dropped."""
+    shards = existing_shards(output)
+    if not shards:
+        return 0
+    done = resume_from(output).done  # also cuts a torn last line of OUTPUT (a merge that was killed)
+    added = 0
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "ab") as out:
+        for shard in shards:
+            with open(shard, "rb") as f:
+                for number, raw in enumerate(f, 1):
+                    if not raw.endswith(b"\n"):
+                        break  # torn by a kill mid-write: that line is redone by the next run
+                    if not raw.strip():
+                        continue
+                    record = _parse_record(raw)
+                    if record is None:
+                        raise CliError(f"{shard} line {number} is not a toolkit output record; remove it to go on")
+                    if record["line"] in done:
+                        continue
+                    out.write(raw)
+                    done[record["line"]] = record_id(record)
+                    added += 1
+            out.flush()
+        os.fsync(out.fileno())
+    for shard in shards:
+        shard.unlink()
+    return added

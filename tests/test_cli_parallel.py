@@ -1,0 +1,92 @@
+"""`toolkit generate --tp 2` / `--dp 2`, launched for real (the CLI relaunches itself through
+torch.distributed.run, gloo on CPU), against the single-process CLI run on the same input.
+
+Oracle: the single-process records, compared by id, line, text and token count (records stream in
+completion order, so they are compared per line). --dp also leaves no shard files behind and every
+input line exactly once. Kept tiny (4 prompts, 6 tokens): each launch starts 2 processes on a
+shared 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.output_file import merge_shards, shard_path
+from tests.checkpoints import write_checkpoint, write_tokenizer
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+FLAGS = ["--eager", "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "8MiB",
+         "--max-tokens", "6", "--quiet"]
+PROMPTS = ["hello world", "a list comprehension is", "", "the quick brown fox", "tensor parallel"]
+TIMEOUT_S = 300  # a healthy launch takes ~20-60 s here: reaching this is a hang
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "cli.main", "generate", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def by_line(path: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    lines = [r["line"] for r in records]
+    assert len(lines) == len(set(lines)), f"a line has two records: {sorted(lines)}"
+    return {r["line"]: {"id": r["id"], "outputs": [(o["text"], len(o["token_ids"])) for o in r.get("outputs", [])],
+                        "error": r.get("error")} for r in records}
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_parallel")
+    ckpt = write_tokenizer(write_checkpoint(root / "llama3", "llama3", seed=3))
+    prompts = root / "prompts.txt"
+    prompts.write_text("".join(p + "\n" for p in PROMPTS))
+    single = root / "single.jsonl"
+    proc = run_cli("-m", ckpt, "-i", prompts, "-o", single, *FLAGS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    expected = by_line(single)
+    assert sorted(expected) == [1, 2, 4, 5]  # the blank line 3 is skipped
+    return ckpt, prompts, expected
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--dp"])
+def test_two_processes_match_single_process(case, tmp_path, flag):
+    ckpt, prompts, expected = case
+    out = tmp_path / "out.jsonl"
+    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *FLAGS, flag, 2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert by_line(out) == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"], "shard files left behind"
+    assert proc.stderr.count("done:") == 1, "only rank 0 prints the summary"
+
+
+def test_dp_resumes_from_an_interrupted_runs_shard(case, tmp_path):
+    """A shard left by a killed --dp run (with a torn last line) is merged first; the rest is redone."""
+    ckpt, prompts, expected = case
+    out = tmp_path / "out.jsonl"
+    # One finished record in replica 1's shard, plus a torn line that must be dropped.
+    shard = shard_path(out, 1, 2)
+    record = {"id": 1, "line": 1}
+    shard.write_text(json.dumps(record) + "\n" + '{"id": 5, "li')
+    assert merge_shards(out) == 1 and not shard.exists()
+    assert list(by_line(out)) == [1]
+    shard.write_text('{"id": 5, "li')  # as if the relaunched run were killed again before writing
+    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *FLAGS, "--dp", "2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = by_line(out)
+    assert sorted(got) == sorted(expected)
+    assert all(got[line] == expected[line] for line in expected if line != 1)
+
+
+def test_dp_with_a_single_prompt_is_an_error():
+    proc = run_cli("hello", "--dp", "2")
+    assert proc.returncode == 2
+    assert "--input" in proc.stderr and "--output" in proc.stderr

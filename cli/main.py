@@ -1,4 +1,4 @@
-"""The `toolkit` command line: `toolkit generate` (offline batch generation) and `toolkit info` (model sizing)."""
+"""The `toolkit` command line: `generate` (offline batch generation), `info` (model sizing), `bench` (benchmarks)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from cli.bench import bench_app
 from cli.generate import generate
 from cli.info import info
 
@@ -26,6 +27,7 @@ def main(verbose: Annotated[bool, typer.Option(
 
 app.command()(generate)
 app.command()(info)
+app.add_typer(bench_app, name="bench")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,379 @@
+"""`toolkit bench`: offline throughput and latency of our engine, against peers measured in the same run.
+
+Every figure is reported next to the same figure of each peer (transformers' `generate`, vLLM's
+CPU build in its own environment) and as a ratio ours / peer, because absolute numbers on a shared
+machine are noisy and ratios taken minutes apart are much less so. The machine's roofline (matmul
+peak in the model's dtype, memory read bandwidth) is measured in the same run too. Definitions and
+formulas: cli/bench_metrics.py, cli/bench_roofline.py and docs/benchmarks.md.
+
+The lead registers this sub-app in cli/main.py: `app.add_typer(bench_app, name="bench")`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cli.bench_metrics import decode_metrics, latency_metrics
+from cli.bench_model import SHAPES, resolve_model
+from cli.bench_report import build_rows, render_table, report_json
+from cli.bench_roofline import (
+    decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
+    workload_flops,
+)
+from cli.bench_systems import BenchError, HFSystem, OursSystem, VLLMSystem, python_of
+from cli.bench_workload import BenchRequest, load_dataset, random_workload, workload_summary
+
+bench_app = typer.Typer(
+    help="Benchmark the engine (throughput, latency) against transformers and vLLM in the same run.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+PEERS = ("hf", "vllm")
+BLOCK = 16  # the engine's default block size: KV sizing below counts in its blocks
+
+ModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", help="Hugging Face model folder.",
+                                                  file_okay=False)]
+ShapeOpt = Annotated[Optional[str], typer.Option(
+    "--model-shape", help=f"A built-in seeded random model instead of --model: {', '.join(SHAPES)} (a ~125M Llama, "
+    "bf16). Alone it uses dummy weights; with a peer, a real checkpoint cached under ~/.cache/toolkit/bench.")]
+NumOpt = Annotated[int, typer.Option("--num-requests", "-n", min=1, help="Requests in the workload.")]
+InOpt = Annotated[tuple[int, int], typer.Option("--input-len", help="Prompt length range MIN MAX (uniform).")]
+OutOpt = Annotated[tuple[int, int], typer.Option("--output-len", help="Output length range MIN MAX (uniform).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Workload seed: the same seed gives the same requests.")]
+DatasetOpt = Annotated[Optional[Path], typer.Option(
+    "--dataset", dir_okay=False, exists=True,
+    help="JSONL workload instead of random prompts: 'prompt' or 'prompt_token_ids', and 'max_tokens', per line.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="Model dtype (auto = the checkpoint's).")]
+EagerOpt = Annotated[bool, typer.Option("--eager", help="Run our engine without torch.compile.")]
+BothOpt = Annotated[bool, typer.Option("--both", help="Run our engine compiled and eager (two columns).")]
+PeerOpt = Annotated[Optional[list[str]], typer.Option(
+    "--peer", help="A peer measured in the same run: hf (transformers generate) or vllm (needs --peer-python). Repeatable.")]
+PeerPyOpt = Annotated[Optional[Path], typer.Option(
+    "--peer-python", envvar="TOOLKIT_BENCH_VLLM_PYTHON",
+    help="Python executable (or venv folder) of an environment with vLLM, for --peer vllm.")]
+HFBatchOpt = Annotated[int, typer.Option("--hf-batch-size", min=1, help="transformers' static batch size (throughput).")]
+VLLMEagerOpt = Annotated[bool, typer.Option("--vllm-eager", help="Run vLLM with enforce_eager (default: its compiled mode).")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Also write the report as JSON here.")]
+SeqsOpt = Annotated[int, typer.Option("--max-num-seqs", min=1, help="Requests per step (ours and vLLM).")]
+TokensOpt = Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget per step (ours and vLLM).")]
+KVOpt = Annotated[Optional[float], typer.Option(
+    "--kv-cache-gib", min=0.001, help="Our KV cache size (default: what the whole workload needs at once, at most 4 GiB).")]
+DecodeOpt = Annotated[int, typer.Option(
+    "--decode-tokens", min=0, help="Tokens of the batch-1 decode run (memory-bandwidth fraction); 0 skips it.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads (default: torch's).")]
+PeakOpt = Annotated[int, typer.Option("--peak-matmul-size", min=16, help="N of the N^3 matmul timed for the peak.")]
+BandwidthOpt = Annotated[int, typer.Option("--bandwidth-mib", min=1, help="Size of the tensor summed for the bandwidth.")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")]
+
+
+@bench_app.command()
+def throughput(
+    model: ModelOpt = None,
+    model_shape: ShapeOpt = None,
+    num_requests: NumOpt = 64,
+    input_len: InOpt = (32, 256),
+    output_len: OutOpt = (32, 256),
+    seed: SeedOpt = 0,
+    dataset: DatasetOpt = None,
+    dtype: DtypeOpt = "auto",
+    eager: EagerOpt = False,
+    both: BothOpt = False,
+    peer: PeerOpt = None,
+    peer_python: PeerPyOpt = None,
+    hf_batch_size: HFBatchOpt = 16,
+    vllm_eager: VLLMEagerOpt = False,
+    max_num_seqs: SeqsOpt = 256,
+    max_num_batched_tokens: TokensOpt = 2048,
+    kv_cache_gib: KVOpt = None,
+    decode_tokens: DecodeOpt = 128,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+    profile: Annotated[Optional[Path], typer.Option(
+        "--profile", dir_okay=False,
+        help="After the timed run, run the first --profile-requests requests again under torch.profiler (untimed) "
+        "and write the op table here.")] = None,
+    profile_requests: Annotated[int, typer.Option("--profile-requests", min=1, help="Requests of the profiled run.")] = 16,
+    peak_matmul_size: PeakOpt = 2048,
+    bandwidth_mib: BandwidthOpt = 512,
+    progress: ProgressOpt = True,
+):
+    """Offline throughput: all requests at once; requests/s, output tokens/s, total tokens/s."""
+    _run("throughput", locals())
+
+
+@bench_app.command()
+def latency(
+    model: ModelOpt = None,
+    model_shape: ShapeOpt = None,
+    num_requests: NumOpt = 64,
+    input_len: InOpt = (32, 256),
+    output_len: OutOpt = (32, 256),
+    seed: SeedOpt = 0,
+    dataset: DatasetOpt = None,
+    concurrency: Annotated[int, typer.Option(
+        "--concurrency", "-c", min=1, help="Requests in flight: a new one is added when one finishes.")] = 8,
+    dtype: DtypeOpt = "auto",
+    eager: EagerOpt = False,
+    both: BothOpt = False,
+    peer: PeerOpt = None,
+    peer_python: PeerPyOpt = None,
+    vllm_eager: VLLMEagerOpt = False,
+    max_num_seqs: SeqsOpt = 256,
+    max_num_batched_tokens: TokensOpt = 2048,
+    kv_cache_gib: KVOpt = None,
+    decode_tokens: DecodeOpt = 128,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+    peak_matmul_size: PeakOpt = 2048,
+    bandwidth_mib: BandwidthOpt = 512,
+    progress: ProgressOpt = True,
+):
+    """Latency at a fixed concurrency: TTFT, TPOT and ITL (mean, median, P99) as vLLM's bench serve defines them."""
+    _run("latency", locals())
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def _fail(message: str) -> None:
+    Console(stderr=True).print(f"error: {message}", soft_wrap=True, markup=False, highlight=False, style="red")
+    raise typer.Exit(2)
+
+
+def _run(command: str, o: dict) -> None:
+    import torch
+    from toolkit.config import load_model_config, resolve_dtype
+
+    peers = list(dict.fromkeys(o["peer"] or []))
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        _fail(f"unknown --peer {', '.join(bad)}; choose from {', '.join(PEERS)}")
+    if "vllm" in peers and o["peer_python"] is None:
+        _fail("--peer vllm needs --peer-python PATH (the python of an environment with vLLM installed)")
+    if o["input_len"][0] > o["input_len"][1] or o["output_len"][0] > o["output_len"][1] or min(*o["input_len"], *o["output_len"]) < 1:
+        _fail("--input-len and --output-len take MIN MAX with 1 <= MIN <= MAX")
+    if o["threads"]:
+        torch.set_num_threads(o["threads"])
+    try:
+        model_path, load_format = resolve_model(o["model"], o["model_shape"], need_weights=bool(peers))
+        mc = load_model_config(model_path)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    dtype = resolve_dtype(o["dtype"], mc.checkpoint_dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+
+    try:
+        requests = _workload(o, model_path, mc)
+    except ValueError as e:
+        _fail(str(e))
+    decode_req = None
+    if o["decode_tokens"]:
+        decode_req = random_workload(1, (32, 32), (o["decode_tokens"],) * 2, mc.vocab_size, seed=o["seed"] + 1)[0]
+    warm = BenchRequest(requests[0].prompt_token_ids, 2)
+    longest = max(r.prompt_len + r.output_len for r in requests + ([decode_req] if decode_req else []))
+    max_model_len = min(mc.max_position_embeddings, math.ceil(longest / BLOCK) * BLOCK)
+    if longest > mc.max_position_embeddings:
+        _fail(f"a request needs {longest} tokens, more than the model's max_position_embeddings {mc.max_position_embeddings}")
+    bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype_bytes(dtype)
+    if o["kv_cache_gib"] is not None:
+        kv_bytes = int(o["kv_cache_gib"] * 2**30)
+    else:  # every request resident at once (no preemption), at most vLLM's 4 GiB
+        blocks = sum(math.ceil((r.prompt_len + r.output_len) / BLOCK) for r in requests) + 1
+        kv_bytes = min(blocks * BLOCK * bytes_per_token, 4 * 2**30)
+
+    err = Console(stderr=True)
+    machine = machine_info()
+    err.print(f"[dim]measuring the roofline: {dtype_name} matmul peak and memory bandwidth...[/]")
+    peak = matmul_peak(dtype, n=o["peak_matmul_size"])
+    bandwidth = memory_bandwidth(o["bandwidth_mib"] * 2**20)
+    # The other dtype's peak too: which dtype is this CPU's fast path is worth seeing next to the figures.
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    other_peak = matmul_peak(other, n=o["peak_matmul_size"])
+
+    ours_modes = ["compiled", "eager"] if o["both"] else (["eager"] if o["eager"] else ["compiled"])
+    concurrency = o.get("concurrency") or 0
+    results: dict[str, dict] = {}
+    ours_labels, peer_labels = [], []
+    profile_result = None
+    partial = Path(f"{o['json_path']}.partial") if o["json_path"] else None
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, disable=not o["progress"], transient=False) as bar:
+
+        def phase(description: str, total: int):
+            task = bar.add_task(description, total=total)
+            return lambda n=1: bar.update(task, advance=n)
+
+        def startup(label: str, start):
+            advance = phase(f"{label}: start-up (load + compile + warm-up)", 1)
+            out = start()
+            advance(1)
+            return out
+
+        try:
+            for mode in ours_modes:
+                system = OursSystem(model_path, load_format=load_format, dtype=dtype_name, eager=mode == "eager",
+                                    max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes,
+                                    max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"])
+                res = {"kind": "ours", "startup": startup(system.label, lambda: system.start(warm))}
+                _run_mode(command, system, requests, concurrency, phase, res)
+                if decode_req:
+                    res["decode_timing"] = system.decode(decode_req, phase)
+                if command == "throughput" and o.get("profile") and profile_result is None:
+                    profile_result = system.profile(requests[: o["profile_requests"]], phase)
+                    profile_result["system"] = system.label
+                results[system.label] = res
+                _say(bar, system.label, res, partial, results)
+                ours_labels.append(system.label)
+                del system
+                gc.collect()
+            if "hf" in peers:
+                system = HFSystem(model_path, dtype=dtype, batch_size=o.get("hf_batch_size") or 16)
+                res = {"kind": "peer", "startup": startup(system.label, lambda: system.start(warm))}
+                _run_mode(command, system, requests, concurrency, phase, res)
+                if decode_req:
+                    res["decode_timing"] = system.decode(decode_req, phase)
+                results[system.label] = res
+                _say(bar, system.label, res, partial, results)
+                peer_labels.append(system.label)
+                del system
+                gc.collect()
+            if "vllm" in peers:
+                system = VLLMSystem(model_path, python=python_of(o["peer_python"]), dtype=dtype_name,
+                                    eager=o["vllm_eager"], max_model_len=max_model_len,
+                                    max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"])
+                raw = system.run(mode=command, requests=requests, warm=warm, concurrency=concurrency,
+                                 decode=decode_req, phase=phase)
+                res = {"kind": "peer", "startup": raw["startup"], "version": raw.get("version")}
+                if command == "throughput":
+                    res["throughput"] = raw["throughput"]
+                else:
+                    lat = raw["latency"]
+                    res["latency"] = latency_metrics(lat["timings"], lat["duration_s"])
+                    res["latency"]["concurrency"] = concurrency
+                if raw.get("decode"):
+                    res["decode_timing"] = raw["decode"]
+                label = f"vLLM {raw.get('version', '')}".strip()
+                results[label] = res
+                _say(bar, label, res, partial, results)
+                peer_labels.append(label)
+        except BenchError as e:
+            bar.stop()
+            _fail(str(e))
+
+    flops = workload_flops(mc, requests)
+    for res in results.values():
+        elapsed = _get(res, "throughput", "elapsed_s") or _get(res, "latency", "duration_s")
+        if elapsed:
+            res["roofline"] = {"useful_flops": flops, "gflops_per_s": flops / elapsed / 1e9,
+                               "peak_fraction_pct": 100 * flops / elapsed / peak["flops_per_s"]}
+        timing = res.pop("decode_timing", None)
+        if timing is not None and timing.output_len > 1:
+            d = decode_metrics(timing)
+            context = timing.prompt_len + timing.output_len / 2  # mean context over the decode steps
+            per_token = decode_bytes_per_token(mc, dtype_bytes(dtype), context)
+            d["bytes_per_token"] = per_token
+            d["bandwidth_fraction_pct"] = 100 * per_token * d["decode_tokens_per_s"] / bandwidth["read_bytes_per_s"]
+            res["decode"] = d
+
+    rows = build_rows(command, results, ours_labels, peer_labels)
+    model_info = {"path": str(model_path), "shape": o["model_shape"], "load_format_ours": load_format,
+                  "dtype": dtype_name, "num_parameters": mc.num_parameters,
+                  "layer_linear_parameters": layer_linear_params(mc)}
+    workload = workload_summary(requests) | {
+        "source": str(o["dataset"]) if o["dataset"] else "random", "seed": o["seed"],
+        "input_len": list(o["input_len"]), "output_len": list(o["output_len"]), "greedy": True, "ignore_eos": True}
+    settings = {"max_model_len": max_model_len, "kv_cache_bytes_ours": kv_bytes, "max_num_seqs": o["max_num_seqs"],
+                "max_num_batched_tokens": o["max_num_batched_tokens"], "hf_batch_size": o.get("hf_batch_size"),
+                "concurrency": concurrency or None, "decode_tokens": o["decode_tokens"], "vllm_eager": o["vllm_eager"]}
+    roofline = {"matmul": peak, "matmul_other_dtype": other_peak, "bandwidth": bandwidth,
+                "flops_formula": "per request (P prompt, O output, T=P+O-1 tokens fed): 2*T*P_layers "
+                                 "+ 4*L*Hq*D*T(T+1)/2 + 2*O*V*H",
+                "decode_bytes_formula": "(num_parameters - V*H if untied) * dtype_bytes + 2*L*Hkv*D*dtype_bytes*context"}
+    caption = (f"{machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']} ({machine['torch_threads']} threads), "
+               f"transformers {machine['transformers']}; matmul peak {peak['flops_per_s'] / 1e9:.1f} GFLOP/s {dtype_name} "
+               f"({other_peak['flops_per_s'] / 1e9:.1f} {other_peak['dtype']}), "
+               f"read bandwidth {bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s; model {mc.num_parameters:,} params "
+               f"{dtype_name}; {len(requests)} requests, {workload['prompt_tokens']} prompt + {workload['output_tokens']} "
+               f"output tokens" + (f"; concurrency {concurrency}" if command == "latency" else "")
+               + ". Ratios are ours / peer.")
+    title = f"toolkit bench {command}"
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=240)  # a file or a pipe: keep the table's rows on one line each
+    out.print(render_table(rows, title, caption))
+    if profile_result is not None:
+        Path(o["profile"]).write_text(profile_result["table"])
+        out.print(f"profile of {profile_result['system']} (top 10 by self CPU time; full table in {o['profile']}):")
+        for e in profile_result["top"][:10]:
+            out.print(f"  {e['self_cpu_pct']:5.1f}%  {e['self_cpu_ms']:9.1f} ms  {e['calls']:7d}x  {e['name']}",
+                      markup=False, highlight=False)
+    if partial is not None:
+        partial.unlink(missing_ok=True)
+    if o["json_path"]:
+        doc = report_json(command, rows, machine=machine, roofline=roofline, model=model_info, workload=workload,
+                          settings=settings, systems=results,
+                          profile=profile_result and {"system": profile_result["system"], "top": profile_result["top"]})
+        Path(o["json_path"]).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def _run_mode(command: str, system, requests, concurrency: int, phase, res: dict) -> None:
+    if command == "throughput":
+        res["throughput"] = system.throughput(requests, phase)
+    else:
+        timings, duration = system.latency(requests, concurrency, phase)
+        res["latency"] = latency_metrics(timings, duration)
+        res["latency"]["concurrency"] = concurrency
+
+
+def _say(bar: Progress, label: str, res: dict, partial: Path | None = None, results: dict | None = None) -> None:
+    """One line per finished system, so a long run shows its figures as they come."""
+    parts = [f"start-up {res['startup']['total_s']:.1f} s"]
+    if "throughput" in res:
+        parts.insert(0, f"{res['throughput']['output_tokens_per_s']:.1f} output tok/s")
+    if "latency" in res:
+        lat = res["latency"]
+        parts.insert(0, f"TTFT {lat['ttft_ms']['median']:.0f} ms, TPOT {lat['tpot_ms']['median']:.0f} ms (median)")
+    timing = res.get("decode_timing")
+    if timing is not None and timing.tpot:
+        parts.append(f"batch-1 decode {1 / timing.tpot:.1f} tok/s")
+    bar.console.print(f"{label}: " + ", ".join(parts), markup=False, highlight=False)
+    if partial is not None and results is not None:  # a run killed later still leaves what it measured
+        partial.write_text(json.dumps({"partial": True, "systems": results}, indent=2, default=str) + "\n")
+
+
+def _get(d, *path):
+    for key in path:
+        if not isinstance(d, dict) or d.get(key) is None:
+            return None
+        d = d[key]
+    return d
+
+
+def _workload(o: dict, model_path: Path, mc) -> list[BenchRequest]:
+    if o["dataset"] is None:
+        return random_workload(o["num_requests"], tuple(o["input_len"]), tuple(o["output_len"]), mc.vocab_size, o["seed"])
+    tokenize = None
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_path)
+        tokenize = lambda text: tok(text)["input_ids"]  # noqa: E731
+    except Exception:  # noqa: BLE001 - a model without a tokenizer can still take token-id prompts
+        pass
+    default_out = (o["output_len"][0] + o["output_len"][1]) // 2
+    requests = load_dataset(o["dataset"], tokenize, default_out, o["num_requests"])
+    for i, r in enumerate(requests):
+        bad = [t for t in r.prompt_token_ids if not 0 <= t < mc.vocab_size]
+        if bad:
+            raise ValueError(f"{o['dataset']}: request {i} has token ids outside the vocabulary: {bad[:5]}")
+    return requests

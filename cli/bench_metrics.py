@@ -1,0 +1,125 @@
+"""Benchmark metrics, defined as vLLM's `vllm bench serve` defines them, from per-request token times.
+
+Every system (ours, transformers, vLLM) is measured the same way from the outside: a request's
+arrival is the moment it was handed to the system, and each time the system hands back new tokens
+of the request (after an engine step, or a streamer callback) is one *chunk* with its time and its
+token count. From those:
+
+- TTFT  = first chunk time - arrival
+- E2EL  = last chunk time - arrival
+- TPOT  = (E2EL - TTFT) / (output tokens - 1): the first token excluded; only requests with more
+          than one output token have one (vLLM's rule)
+- ITL   = the gaps between successive chunks of a request, all requests' gaps pooled into one list
+          (vLLM records one gap per streamed chunk; here one chunk is one engine step)
+
+Each is summarized by mean, median and P99 with numpy's default (linear) interpolation, in
+milliseconds, like vLLM's report. An empty list summarizes to zeros, as vLLM prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (99,)
+
+
+@dataclass
+class RequestTiming:
+    """One request as seen from outside the system: when it arrived and when its tokens came back."""
+
+    arrival: float
+    prompt_len: int
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, new tokens) in time order
+
+    def add(self, when: float, new_tokens: int) -> None:
+        if new_tokens > 0:
+            self.chunks.append((when, new_tokens))
+
+    @property
+    def output_len(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0][0] - self.arrival
+
+    @property
+    def e2el(self) -> float:
+        return self.chunks[-1][0] - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first; None for a one-token request."""
+        n = self.output_len
+        return (self.e2el - self.ttft) / (n - 1) if n > 1 else None
+
+    @property
+    def itls(self) -> list[float]:
+        times = [t for t, _ in self.chunks]
+        return [b - a for a, b in zip(times, times[1:])]
+
+    def to_json(self) -> dict:
+        return {"arrival": self.arrival, "prompt_len": self.prompt_len, "chunks": [list(c) for c in self.chunks]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RequestTiming":
+        return cls(d["arrival"], d["prompt_len"], [(float(t), int(n)) for t, n in d["chunks"]])
+
+
+def summarize(values_s: list[float], percentiles=PERCENTILES) -> dict[str, float]:
+    """mean / median / pXX of a list of seconds, in milliseconds (zeros for an empty list)."""
+    arr = np.asarray(values_s, dtype=np.float64) * 1000.0
+    empty = arr.size == 0
+    out = {"mean": 0.0 if empty else float(arr.mean()), "median": 0.0 if empty else float(np.median(arr))}
+    for p in percentiles:
+        out[f"p{p:g}"] = 0.0 if empty else float(np.percentile(arr, p))
+    return out
+
+
+def latency_metrics(timings: list[RequestTiming], duration_s: float, percentiles=PERCENTILES) -> dict:
+    """TTFT / TPOT / ITL / E2EL summaries (ms) and the run's throughput, over requests with output."""
+    done = [t for t in timings if t.chunks]
+    tpots = [t.tpot for t in done if t.tpot is not None]
+    itls = [gap for t in done for gap in t.itls]
+    out_tokens = sum(t.output_len for t in done)
+    in_tokens = sum(t.prompt_len for t in done)
+    return {
+        "completed": len(done),
+        "duration_s": duration_s,
+        "prompt_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "requests_per_s": len(done) / duration_s if duration_s > 0 else 0.0,
+        "output_tokens_per_s": out_tokens / duration_s if duration_s > 0 else 0.0,
+        "total_tokens_per_s": (in_tokens + out_tokens) / duration_s if duration_s > 0 else 0.0,
+        "ttft_ms": summarize([t.ttft for t in done], percentiles),
+        "tpot_ms": summarize(tpots, percentiles),
+        "itl_ms": summarize(itls, percentiles),
+        "e2el_ms": summarize([t.e2el for t in done], percentiles),
+    }
+
+
+def throughput_metrics(num_requests: int, prompt_tokens: int, output_tokens: int, elapsed_s: float) -> dict:
+    """vLLM `bench throughput`'s three figures; output_tokens counts only tokens each request asked for."""
+    return {
+        "num_requests": num_requests,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "elapsed_s": elapsed_s,
+        "requests_per_s": num_requests / elapsed_s,
+        "output_tokens_per_s": output_tokens / elapsed_s,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed_s,
+    }
+
+
+def decode_metrics(timing: RequestTiming) -> dict:
+    """A batch-1 decode run: tokens/s after the first token (1 / TPOT)."""
+    tpot = timing.tpot
+    return {
+        "prompt_len": timing.prompt_len,
+        "output_tokens": timing.output_len,
+        "ttft_ms": timing.ttft * 1000.0,
+        "tpot_ms": (tpot or 0.0) * 1000.0,
+        "decode_tokens_per_s": 1.0 / tpot if tpot else 0.0,
+    }

@@ -1,0 +1,152 @@
+"""The machine's description and roofline: matmul peak, memory bandwidth, and the model's FLOPs and bytes.
+
+Formulas (stated in the report and in docs/benchmarks.md):
+
+- Useful work of a request with prompt P and output O: the model processes T = P + O - 1 tokens
+  (the last sampled token is never fed back) at positions 0..T-1, and samples O tokens.
+  FLOPs = T x 2 x P_layers                      (every linear layer of every decoder layer)
+        + sum over positions p of 4 x L x (Hq x D) x (p + 1)   (QK^T and PV, causal context p + 1)
+        + O x 2 x V x H                         (the LM head, only for sampled positions)
+  where P_layers = the decoder layers' weights (no embedding, no LM head, no norms' worth counting).
+  Work a system does beyond that (padding, tokens generated past a request's own length) is not
+  counted, so every system is credited with the same useful FLOPs.
+- Engine FLOP/s = useful FLOPs / elapsed; its roofline fraction = that / measured matmul peak.
+- Batch-1 decode: each step reads every weight except the embedding table (one row of it) once,
+  plus the KV cache of the context. Bytes per token = (num_parameters - V x H) x dtype bytes
+  + 2 x L x Hkv x D x dtype bytes x context. Bandwidth fraction = bytes per token x tokens/s /
+  measured read bandwidth.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    import transformers
+
+    info = {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        info["load_avg_1m"] = os.getloadavg()[0]  # other work on the machine makes figures noisy
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: str | torch.device = "cpu",
+                budget_s: float = 10.0) -> dict:
+    """Best of up to `repeats` timings of an n^3 matmul (2 n^3 FLOPs), after one warm-up.
+
+    A dtype without a fast kernel on this CPU (bf16 without AVX-512 BF16 runs a scalar fallback,
+    ~1 GFLOP/s) would take minutes per repeat: repeats stop once `budget_s` is spent, and a warm-up
+    slower than the budget is the measurement.
+    """
+    device = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    # A 256^3 probe first: where the dtype is slow, shrink n so one matmul takes about a second.
+    probe = torch.randn(256, 256, generator=g).to(device=device, dtype=dtype)
+    torch.mm(probe, probe)
+    _sync(device)
+    start = time.perf_counter()
+    torch.mm(probe, probe)
+    _sync(device)
+    rate = 2 * 256**3 / max(time.perf_counter() - start, 1e-9)
+    if 2 * n**3 / rate > budget_s:
+        n = max(min(n, 256), int((rate / 2) ** (1 / 3)) // 64 * 64)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    _sync(device)
+    best = spent = time.perf_counter() - start
+    for _ in range(repeats):
+        if spent > budget_s:
+            break
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        took = time.perf_counter() - start
+        best, spent = min(best, took), spent + took
+    return {"n": n, "dtype": str(dtype).removeprefix("torch."), "seconds": best, "flops_per_s": 2 * n**3 / best}
+
+
+def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str | torch.device = "cpu") -> dict:
+    """Read bandwidth from summing a large float32 tensor, and copy bandwidth (read + write) from copy_."""
+    device = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    read = copy = float("inf")
+    src.sum(), dst.copy_(src)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        src.sum()
+        _sync(device)
+        read = min(read, time.perf_counter() - start)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        copy = min(copy, time.perf_counter() - start)
+    return {"bytes": nbytes, "read_bytes_per_s": nbytes / read, "copy_bytes_per_s": 2 * nbytes / copy}
+
+
+def layer_linear_params(mc) -> int:
+    """Weights of the decoder layers' linear maps (q, k, v, o, gate, up, down), all layers."""
+    h, d = mc.hidden_size, mc.head_dim
+    attn = h * d * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+    mlp = 3 * h * mc.intermediate_size
+    return mc.num_layers * (attn + mlp)
+
+
+def request_flops(mc, prompt_len: int, output_len: int) -> float:
+    """Useful FLOPs of one request (see the module docstring)."""
+    t = prompt_len + output_len - 1
+    linear = 2.0 * layer_linear_params(mc) * t
+    attention = 4.0 * mc.num_layers * mc.num_heads * mc.head_dim * (t * (t + 1) / 2)
+    lm_head = 2.0 * mc.vocab_size * mc.hidden_size * output_len
+    return linear + attention + lm_head
+
+
+def workload_flops(mc, requests) -> float:
+    return sum(request_flops(mc, r.prompt_len, r.output_len) for r in requests)
+
+
+def decode_bytes_per_token(mc, dtype_bytes: int, context: float) -> float:
+    """Bytes one batch-1 decode step reads: all weights but the embedding table, and the context's KV."""
+    # Untied: the embedding table is only indexed (one row); tied: it is the LM head, read whole.
+    unread = 0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size
+    weights = (mc.num_parameters - unread) * dtype_bytes
+    kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype_bytes * context
+    return weights + kv
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

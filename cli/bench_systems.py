@@ -1,0 +1,370 @@
+"""The systems a benchmark runs: our engine, Hugging Face transformers, and vLLM in its own environment.
+
+Each system is started (its start-up timed: construct + one warm-up request of 2 tokens), then runs
+the workload in one mode, and optionally a batch-1 decode run. Results are raw (elapsed times,
+token counts, per-request `RequestTiming`s) so that every figure is computed by the same code for
+every system (`cli.bench_metrics`).
+
+How per-token times are measured, from the outside, the same way for all:
+- ours: after every `Engine.step()`, one timestamp; each in-flight request's output length is read
+  (finished ones from the returned `RequestOutput`, running ones from the scheduler's public
+  `get_request(id).output_token_ids`); a request whose length grew got a chunk at that timestamp.
+- transformers: a streamer's `put()` is called by `generate` once per decoding step with that
+  step's tokens; one timestamp per call. A request's k-th token is the k-th step's, and its tokens
+  past its own output length (generated only because the batch runs to its longest request) are
+  ignored.
+- vLLM: `LLMEngine.add_request` / `step()` with DELTA outputs (cli/bench_vllm_worker.py): one
+  timestamp after each step, a chunk per request that got tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from cli.bench_metrics import RequestTiming, throughput_metrics
+from cli.bench_workload import BenchRequest, hf_batches
+
+Advance = Callable[[int], None]
+# phase(description, total) -> advance(n): a progress bar task; the default draws nothing.
+Phase = Callable[[str, int], Advance]
+
+
+def no_progress(description: str, total: int) -> Advance:
+    return lambda n=1: None
+
+
+class BenchError(RuntimeError):
+    """A system failed to run the workload; the message says why."""
+
+
+# --- ours ------------------------------------------------------------------------------------------
+
+
+class OursSystem:
+    name = "toolkit"
+
+    def __init__(self, model: Path, *, load_format: str, dtype: str, eager: bool, max_model_len: int,
+                 kv_cache_memory_bytes: int | None, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kwargs = dict(dtype=dtype, enforce_eager=eager, skip_tokenizer_init=True, load_format=load_format,
+                           seed=0, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.model = model
+        self.eager = eager
+        self.llm = None
+        self._ids = 0
+
+    @property
+    def label(self) -> str:
+        return "toolkit (eager)" if self.eager else "toolkit (compiled)"
+
+    def start(self, warm: BenchRequest) -> dict:
+        from toolkit import LLM
+
+        start = time.perf_counter()
+        self.llm = LLM(str(self.model), **self.kwargs)
+        constructed = time.perf_counter() - start
+        self._drain(self._add([warm]), no_progress("", 1))
+        total = time.perf_counter() - start
+        runner = self.llm.engine.runner
+        return {"total_s": total, "construct_s": constructed, "warmup_s": total - constructed,
+                "load_s": runner.load_seconds, "compile_s": runner.compile_seconds}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.llm.engine.dtype
+
+    def _params(self, r: BenchRequest):
+        from toolkit import SamplingParams
+
+        return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+
+    def _add(self, requests: list[BenchRequest]) -> dict[str, BenchRequest]:
+        added = {}
+        for r in requests:
+            rid = f"bench-{self._ids}"
+            self._ids += 1
+            self.llm.engine.add_request(rid, r.prompt_token_ids, self._params(r), arrival_time=time.monotonic())
+            added[rid] = r
+        return added
+
+    def _drain(self, added: dict[str, BenchRequest], advance: Advance) -> int:
+        engine, tokens = self.llm.engine, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += _check_output(out, added)
+                advance(1)
+        return tokens
+
+    def throughput(self, requests: list[BenchRequest], phase: Phase) -> dict:
+        advance = phase(f"{self.label}: throughput", len(requests))
+        compile_before = self.llm.engine.runner.compile_seconds
+        start = time.perf_counter()
+        tokens = self._drain(self._add(requests), advance)
+        elapsed = time.perf_counter() - start
+        out = throughput_metrics(len(requests), sum(r.prompt_len for r in requests), tokens, elapsed)
+        # A compile inside the timed run would make it slower than steady state: report it.
+        out["compile_in_run_s"] = self.llm.engine.runner.compile_seconds - compile_before
+        return out
+
+    def latency(self, requests: list[BenchRequest], concurrency: int, phase: Phase,
+                description: str = "latency") -> tuple[list[RequestTiming], float]:
+        """Keep at most `concurrency` requests in flight, adding the next one as soon as one finishes."""
+        engine = self.llm.engine
+        advance = phase(f"{self.label}: {description}", len(requests))
+        queue = deque(requests)
+        inflight: dict[str, tuple[RequestTiming, BenchRequest]] = {}
+        timings: list[RequestTiming] = []
+
+        def admit():
+            while queue and len(inflight) < concurrency:
+                r = queue.popleft()
+                rid = f"bench-{self._ids}"
+                self._ids += 1
+                now = time.monotonic()
+                engine.add_request(rid, r.prompt_token_ids, self._params(r), arrival_time=now)
+                inflight[rid] = (RequestTiming(now, r.prompt_len), r)
+
+        start = time.monotonic()
+        admit()
+        while engine.has_unfinished():
+            finished = {out.request_id: out for out in engine.step()}
+            now = time.monotonic()
+            for rid, (timing, r) in inflight.items():
+                if rid in finished:
+                    _check_output(finished[rid], {rid: r})
+                    count = len(finished[rid].outputs[0].token_ids)
+                else:
+                    try:
+                        count = len(engine.scheduler.get_request(rid).output_token_ids)
+                    except KeyError:
+                        count = timing.output_len
+                timing.add(now, count - timing.output_len)
+            for rid in finished:
+                timings.append(inflight.pop(rid)[0])
+                advance(1)
+            admit()
+        return timings, time.monotonic() - start
+
+    def decode(self, request: BenchRequest, phase: Phase) -> RequestTiming:
+        timings, _ = self.latency([request], 1, phase, "batch-1 decode")
+        return timings[0]
+
+    def profile(self, requests: list[BenchRequest], phase: Phase, row_limit: int = 30) -> dict:
+        """The workload again under torch.profiler (not timed: the profiler slows it down)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        advance = phase(f"{self.label}: profile", len(requests))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            self._drain(self._add(requests), advance)
+        averages = prof.key_averages()
+        rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in averages) or 1
+        top = [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1000, "self_cpu_pct": 100 * e.self_cpu_time_total / total,
+                "calls": e.count} for e in rows[:row_limit]]
+        return {"top": top, "table": averages.table(sort_by="self_cpu_time_total", row_limit=row_limit)}
+
+
+def _check_output(out, added: dict[str, BenchRequest]) -> int:
+    if out.error:
+        raise BenchError(f"request {out.request_id} failed: {out.error}")
+    got = len(out.outputs[0].token_ids)
+    want = added[out.request_id].output_len if out.request_id in added else got
+    if got != want:
+        raise BenchError(f"request {out.request_id} produced {got} tokens, expected {want}")
+    return got
+
+
+# --- transformers ------------------------------------------------------------------------------
+
+
+class _StepClock:
+    """A transformers streamer that only timestamps each decoding step (the first put is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.monotonic())
+
+    def end(self) -> None:
+        pass
+
+
+class HFSystem:
+    """transformers `generate`: static batches sorted by length, left padding, greedy, no EOS stop.
+
+    Every request of a batch runs to the batch's longest output (min_new_tokens = max_new_tokens =
+    that length); only each request's own output_len tokens are counted as output, the rest is the
+    static batch's waste (reported as `generated_tokens`).
+    """
+
+    name = "hf"
+    label = "transformers"
+
+    def __init__(self, model: Path, *, dtype: torch.dtype, batch_size: int):
+        self.path = model
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self.model = None
+
+    def start(self, warm: BenchRequest) -> dict:
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        transformers.logging.set_verbosity_error()
+        start = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).eval()
+        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        loaded = time.perf_counter() - start
+        self._generate([warm], 2)
+        total = time.perf_counter() - start
+        return {"total_s": total, "load_s": loaded, "warmup_s": total - loaded}
+
+    def _generate(self, batch: list[BenchRequest], new_tokens: int, streamer=None) -> torch.Tensor:
+        width = max(r.prompt_len for r in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding: every prompt ends at the last column
+            ids[i, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - r.prompt_len:] = 1
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      do_sample=False, pad_token_id=self.pad_id, streamer=streamer)
+        if out.shape[1] - width != new_tokens:
+            raise BenchError(f"transformers generated {out.shape[1] - width} tokens, expected {new_tokens}")
+        return out
+
+    def throughput(self, requests: list[BenchRequest], phase: Phase) -> dict:
+        advance = phase(f"{self.label}: throughput (batch {self.batch_size})", len(requests))
+        generated = 0
+        start = time.perf_counter()
+        for batch in hf_batches(requests, self.batch_size):
+            reqs = [requests[i] for i in batch]
+            steps = max(r.output_len for r in reqs)
+            self._generate(reqs, steps)
+            generated += steps * len(reqs)
+            advance(len(reqs))
+        elapsed = time.perf_counter() - start
+        out = throughput_metrics(len(requests), sum(r.prompt_len for r in requests),
+                                 sum(r.output_len for r in requests), elapsed)
+        out["generated_tokens"] = generated  # including tokens past each request's own length
+        out["batch_size"] = self.batch_size
+        return out
+
+    def latency(self, requests: list[BenchRequest], concurrency: int, phase: Phase,
+                description: str = "latency") -> tuple[list[RequestTiming], float]:
+        """Static batches of `concurrency` requests; a batch's requests all arrive when it starts."""
+        advance = phase(f"{self.label}: {description} (batches of {concurrency})", len(requests))
+        timings = []
+        start = time.monotonic()
+        for batch in hf_batches(requests, concurrency):
+            reqs = [requests[i] for i in batch]
+            clock = _StepClock()
+            arrival = time.monotonic()
+            self._generate(reqs, max(r.output_len for r in reqs), streamer=clock)
+            for r in reqs:
+                timing = RequestTiming(arrival, r.prompt_len)
+                for t in clock.times[: r.output_len]:
+                    timing.add(t, 1)
+                timings.append(timing)
+            advance(len(reqs))
+        return timings, time.monotonic() - start
+
+    def decode(self, request: BenchRequest, phase: Phase) -> RequestTiming:
+        timings, _ = self.latency([request], 1, phase, "batch-1 decode")
+        return timings[0]
+
+
+# --- vLLM ----------------------------------------------------------------------------------------
+
+WORKER = Path(__file__).with_name("bench_vllm_worker.py")
+
+
+def vllm_env() -> dict:
+    """vLLM's CPU build's settings: KV cache 4 GiB, no reserved core, OpenMP threads bound to all cores."""
+    env = dict(os.environ)
+    cores = os.cpu_count() or 1
+    for key, value in (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "4"),
+                       ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"), ("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")):
+        env.setdefault(key, value)
+    # Our interpreter's paths must not leak into the other environment.
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+class VLLMSystem:
+    """vLLM's offline engine in a subprocess of another Python environment (`--peer-python`)."""
+
+    name = "vllm"
+    label = "vLLM"
+
+    def __init__(self, model: Path, *, python: Path, dtype: str, eager: bool, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int):
+        self.python = Path(python)
+        self.config = dict(model=str(model), dtype=dtype, enforce_eager=eager, max_model_len=max_model_len,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+
+    def run(self, *, mode: str, requests: list[BenchRequest], warm: BenchRequest, concurrency: int,
+            decode: BenchRequest | None, phase: Phase, timeout_s: float | None = None) -> dict:
+        """Start-up, the mode's run and the decode run, all in one subprocess (one start-up paid)."""
+        if not self.python.is_file():
+            raise BenchError(f"--peer-python {self.python} does not exist")
+        pack = lambda r: {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len}  # noqa: E731
+        spec = dict(self.config, mode=mode, concurrency=concurrency, warm=pack(warm),
+                    requests=[pack(r) for r in requests], decode=pack(decode) if decode else None)
+        with tempfile.TemporaryDirectory(prefix="toolkit-bench-vllm-") as tmp:
+            spec_path, log_path = Path(tmp) / "spec.json", Path(tmp) / "vllm.log"
+            spec_path.write_text(json.dumps(spec))
+            result, advance = None, no_progress("", 0)
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen([str(self.python), str(WORKER), str(spec_path)], stdout=subprocess.PIPE,
+                                        stderr=log, text=True, env=vllm_env(), cwd=tmp)
+                try:
+                    for line in proc.stdout:
+                        try:
+                            event = json.loads(line)
+                        except json.JSONDecodeError:
+                            continue  # something in the other environment printed to stdout
+                        if not isinstance(event, dict):
+                            continue
+                        if event.get("event") == "phase":
+                            advance = phase(f"{self.label}: {event['name']}", event["total"])
+                        elif event.get("event") == "advance":
+                            advance(event.get("n", 1))
+                        elif event.get("event") == "result":
+                            result = event["result"]
+                    proc.wait(timeout=timeout_s)
+                finally:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+            if proc.returncode != 0 or result is None:
+                tail = log_path.read_text()[-3000:]
+                raise BenchError(f"vLLM worker exited with status {proc.returncode}; its log ends:\n{tail}")
+        if "latency" in result:
+            result["latency"]["timings"] = [RequestTiming.from_json(t) for t in result["latency"]["timings"]]
+        if result.get("decode"):
+            result["decode"] = RequestTiming.from_json(result["decode"])
+        return result
+
+
+def python_of(path: str | Path) -> Path:
+    """A venv folder or a python executable -> the executable."""
+    path = Path(path)
+    if path.is_dir():
+        return path / "bin" / "python"
+    return path

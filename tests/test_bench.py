@@ -1,0 +1,363 @@
+"""`toolkit bench`: metric definitions, workloads, the report, and one tiny end-to-end run.
+
+No test here times anything: performance is measured by the benchmark itself, never asserted.
+Oracles: numpy for the summaries, hand-computed values for vLLM's metric definitions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import stat
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.bench import bench_app
+from cli.bench_metrics import RequestTiming, decode_metrics, latency_metrics, summarize, throughput_metrics
+from cli.bench_model import shape_config_only
+from cli.bench_report import HIGHER, LOWER, build_rows, render_table, report_json
+from cli.bench_roofline import decode_bytes_per_token, layer_linear_params, request_flops
+from cli.bench_systems import BenchError, VLLMSystem, python_of
+from cli.bench_workload import BenchRequest, hf_batches, load_dataset, random_workload, workload_summary
+from tests.checkpoints import VOCAB, write_checkpoint
+from toolkit.config import load_model_config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The machine is shared: two torch threads fighting other processes for two cores run much slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def timing(arrival, chunks, prompt_len=5):
+    return RequestTiming(arrival, prompt_len, [(t, n) for t, n in chunks])
+
+
+# --- metric definitions ------------------------------------------------------------------------
+
+
+def test_ttft_tpot_itl_e2el_of_one_request():
+    t = timing(10.0, [(10.5, 1), (10.7, 1), (11.0, 1), (11.6, 1)])
+    assert t.ttft == pytest.approx(0.5)
+    assert t.e2el == pytest.approx(1.6)
+    assert t.output_len == 4
+    # TPOT excludes the first token: (e2e - ttft) / (output tokens - 1).
+    assert t.tpot == pytest.approx((1.6 - 0.5) / 3)
+    assert t.itls == pytest.approx([0.2, 0.3, 0.6])
+
+
+def test_multi_token_chunk_counts_tokens_for_tpot_and_one_gap_for_itl():
+    # vLLM's bench serve: TPOT divides by tokens; ITL records one gap per streamed chunk.
+    t = timing(0.0, [(1.0, 1), (2.0, 3), (2.5, 1)])
+    assert t.output_len == 5
+    assert t.tpot == pytest.approx((2.5 - 1.0) / 4)
+    assert t.itls == pytest.approx([1.0, 0.5])
+
+
+def test_one_token_request_has_ttft_but_no_tpot_or_itl():
+    t = timing(0.0, [(0.3, 1)])
+    assert t.ttft == pytest.approx(0.3) and t.e2el == pytest.approx(0.3)
+    assert t.tpot is None and t.itls == []
+    m = latency_metrics([t], duration_s=1.0)
+    assert m["tpot_ms"] == {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    assert m["itl_ms"] == {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    assert m["ttft_ms"]["mean"] == pytest.approx(300.0)
+
+
+def test_zero_chunk_adds_nothing():
+    t = RequestTiming(0.0, 3)
+    t.add(1.0, 0)
+    t.add(2.0, 2)
+    assert t.chunks == [(2.0, 2)]
+
+
+def test_summaries_match_numpy():
+    rng = np.random.default_rng(1)
+    values = rng.exponential(0.05, 101).tolist()
+    s = summarize(values)
+    ms = np.asarray(values) * 1000
+    assert s["mean"] == pytest.approx(ms.mean())
+    assert s["median"] == pytest.approx(np.median(ms))
+    assert s["p99"] == pytest.approx(np.percentile(ms, 99))
+    assert summarize(values, percentiles=(50, 90))["p90"] == pytest.approx(np.percentile(ms, 90))
+    assert summarize([]) == {"mean": 0.0, "median": 0.0, "p99": 0.0}
+
+
+def test_latency_metrics_pool_itls_across_requests_and_average_tpot_per_request():
+    rng = np.random.default_rng(2)
+    timings = []
+    for i in range(7):
+        arrival = float(i)
+        times = arrival + np.cumsum(rng.uniform(0.01, 0.2, rng.integers(1, 9)))
+        timings.append(timing(arrival, [(float(x), 1) for x in times], prompt_len=10 + i))
+    m = latency_metrics(timings, duration_s=20.0)
+    ttfts = [t.chunks[0][0] - t.arrival for t in timings]
+    tpots = [(t.chunks[-1][0] - t.chunks[0][0]) / (len(t.chunks) - 1) for t in timings if len(t.chunks) > 1]
+    itls = [b[0] - a[0] for t in timings for a, b in zip(t.chunks, t.chunks[1:])]
+    e2els = [t.chunks[-1][0] - t.arrival for t in timings]
+    for key, values in (("ttft_ms", ttfts), ("tpot_ms", tpots), ("itl_ms", itls), ("e2el_ms", e2els)):
+        ms = np.asarray(values) * 1000
+        assert m[key]["mean"] == pytest.approx(ms.mean()), key
+        assert m[key]["median"] == pytest.approx(np.median(ms)), key
+        assert m[key]["p99"] == pytest.approx(np.percentile(ms, 99)), key
+    out = sum(len(t.chunks) for t in timings)
+    assert m["completed"] == 7 and m["output_tokens"] == out
+    assert m["prompt_tokens"] == sum(10 + i for i in range(7))
+    assert m["output_tokens_per_s"] == pytest.approx(out / 20.0)
+    assert m["requests_per_s"] == pytest.approx(7 / 20.0)
+
+
+def test_throughput_and_decode_metrics():
+    m = throughput_metrics(8, 400, 200, 4.0)
+    assert m["requests_per_s"] == 2.0 and m["output_tokens_per_s"] == 50.0 and m["total_tokens_per_s"] == 150.0
+    d = decode_metrics(timing(0.0, [(0.5, 1)] + [(0.5 + 0.02 * k, 1) for k in range(1, 11)], prompt_len=32))
+    assert d["decode_tokens_per_s"] == pytest.approx(50.0)
+    assert d["tpot_ms"] == pytest.approx(20.0) and d["ttft_ms"] == pytest.approx(500.0)
+
+
+def test_timing_json_round_trip():
+    t = timing(1.5, [(2.0, 1), (2.5, 2)], prompt_len=9)
+    back = RequestTiming.from_json(json.loads(json.dumps(t.to_json())))
+    assert back == t
+
+
+# --- workloads -----------------------------------------------------------------------------------
+
+
+def test_random_workload_is_seeded_and_within_ranges():
+    a = random_workload(50, (32, 256), (1, 7), vocab_size=1000, seed=3)
+    b = random_workload(50, (32, 256), (1, 7), vocab_size=1000, seed=3)
+    c = random_workload(50, (32, 256), (1, 7), vocab_size=1000, seed=4)
+    assert a == b
+    assert a != c
+    assert len(a) == 50
+    assert all(32 <= r.prompt_len <= 256 and 1 <= r.output_len <= 7 for r in a)
+    assert all(3 <= t < 1000 for r in a for t in r.prompt_token_ids)
+    # Both ends of an inclusive range are reachable.
+    assert {r.output_len for r in a} == set(range(1, 8))
+    fixed = random_workload(5, (4, 4), (9, 9), vocab_size=50, seed=0)
+    assert all(r.prompt_len == 4 and r.output_len == 9 for r in fixed)
+
+
+@pytest.mark.parametrize("bad", [dict(input_len=(5, 4)), dict(output_len=(0, 3)), dict(num_requests=0)])
+def test_random_workload_rejects_bad_ranges(bad):
+    args = dict(num_requests=3, input_len=(1, 4), output_len=(1, 4)) | bad
+    with pytest.raises(ValueError):
+        random_workload(args["num_requests"], args["input_len"], args["output_len"], vocab_size=100)
+
+
+def test_dataset_lines_token_ids_text_and_errors(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt_token_ids": [5, 6, 7], "max_tokens": 4}\n\n{"prompt": "ab c", "max_tokens": 2}\n'
+                    '{"prompt_token_ids": [9]}\n')
+    reqs = load_dataset(path, lambda text: [len(w) + 10 for w in text.split()], default_output_len=11)
+    assert reqs == [BenchRequest([5, 6, 7], 4), BenchRequest([12, 11], 2), BenchRequest([9], 11)]
+    assert len(load_dataset(path, lambda t: [1], 11, num_requests=2)) == 2
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_dataset(path, None, 11)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"max_tokens": 3}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_dataset(bad, None, 5)
+
+
+def test_hf_batches_sort_by_output_then_prompt_length_and_cover_everything():
+    reqs = random_workload(23, (1, 50), (1, 30), vocab_size=100, seed=5)
+    batches = hf_batches(reqs, 4)
+    assert [len(b) for b in batches] == [4] * 5 + [3]
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(23))
+    keys = [(reqs[i].output_len, reqs[i].prompt_len) for i in flat]
+    assert keys == sorted(keys)
+
+
+def test_workload_summary():
+    s = workload_summary([BenchRequest([1, 2], 3), BenchRequest([1, 2, 3, 4], 5)])
+    assert s["prompt_tokens"] == 6 and s["output_tokens"] == 8
+    assert s["prompt_len"] == {"min": 2, "mean": 3.0, "max": 4}
+
+
+# --- roofline formulas and the benchmark model --------------------------------------------------
+
+
+def test_125m_shape_config_and_formulas(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_BENCH_CACHE", str(tmp_path))
+    mc = load_model_config(shape_config_only("125m"))
+    assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == (768, 12, 12, 4)
+    assert (mc.intermediate_size, mc.vocab_size, mc.max_position_embeddings) == (2048, 32000, 2048)
+    assert not mc.tie_word_embeddings and mc.checkpoint_dtype == torch.bfloat16
+    assert 120e6 < mc.num_parameters < 130e6
+    linear = 12 * (768 * 64 * (2 * 12 + 2 * 4) + 3 * 768 * 2048)
+    assert layer_linear_params(mc) == linear
+    # P=3, O=2: 4 tokens fed at positions 0..3 (contexts 1..4), 2 sampled.
+    expected = 4 * 2 * linear + 4 * 12 * 768 * (1 + 2 + 3 + 4) + 2 * 2 * 32000 * 768
+    assert request_flops(mc, 3, 2) == pytest.approx(expected)
+    kv = 2 * 12 * 4 * 64 * 2 * 100
+    assert decode_bytes_per_token(mc, 2, 100) == pytest.approx((mc.num_parameters - 32000 * 768) * 2 + kv)
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def fake_systems():
+    return {
+        "toolkit (compiled)": {"throughput": {"output_tokens_per_s": 300.0, "total_tokens_per_s": 600.0,
+                                              "requests_per_s": 2.0, "elapsed_s": 10.0},
+                               "startup": {"total_s": 30.0, "load_s": 1.0, "compile_s": 25.0},
+                               "decode": {"decode_tokens_per_s": 40.0, "bandwidth_fraction_pct": 30.0}},
+        "transformers": {"throughput": {"output_tokens_per_s": 100.0, "total_tokens_per_s": 250.0,
+                                        "requests_per_s": 0.5, "elapsed_s": 40.0},
+                         "startup": {"total_s": 3.0, "load_s": 2.0},
+                         "decode": {"decode_tokens_per_s": 20.0, "bandwidth_fraction_pct": 15.0}},
+    }
+
+
+def test_rows_hold_every_systems_values_and_our_ratio_to_each_peer():
+    rows = build_rows("throughput", fake_systems(), ["toolkit (compiled)"], ["transformers"])
+    by = {(r.section, r.metric): r for r in rows}
+    out = by[("throughput", "output tokens/s")]
+    assert out.values == {"toolkit (compiled)": 300.0, "transformers": 100.0}
+    assert out.ratios == {"toolkit (compiled) / transformers": pytest.approx(3.0)}
+    assert out.better == HIGHER
+    startup = by[("start-up", "start-up (construct + warm-up)")]
+    assert startup.better == LOWER and startup.ratios["toolkit (compiled) / transformers"] == pytest.approx(10.0)
+    # A figure only one system has gets no ratio; a figure no system has gets no row.
+    assert by[("start-up", "compile")].ratios["toolkit (compiled) / transformers"] is None
+    assert ("roofline", "useful compute") not in by
+    assert [r.section for r in rows][0] == "throughput"
+
+
+def test_latency_rows_and_rendered_table():
+    systems = {"ours": {"latency": {k: {"mean": 2.0, "median": 1.0, "p99": 5.0} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}},
+               "peer": {"latency": {k: {"mean": 4.0, "median": 4.0, "p99": 4.0} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}
+    rows = build_rows("latency", systems, ["ours"], ["peer"])
+    metrics = [r.metric for r in rows]
+    for name in ("TTFT", "TPOT", "ITL", "E2EL"):
+        assert [f"{name} mean", f"{name} median", f"{name} p99"] == [m for m in metrics if m.startswith(name + " ")]
+    ttft_p99 = next(r for r in rows if r.metric == "TTFT p99")
+    assert ttft_p99.ratios["ours / peer"] == pytest.approx(1.25) and ttft_p99.better == LOWER
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(render_table(rows, "t", "caption here"))
+    text = console.export_text()
+    assert "TTFT p99" in text and "ours / peer" in text and "1.25x" in text and "caption here" in text
+
+
+def test_report_json_keys():
+    rows = build_rows("throughput", fake_systems(), ["toolkit (compiled)"], ["transformers"])
+    doc = json.loads(json.dumps(report_json("throughput", rows, machine={"cpu": "x"}, systems=fake_systems())))
+    assert set(doc) == {"command", "machine", "systems", "rows"}
+    assert set(doc["rows"][0]) == {"section", "metric", "unit", "better", "values", "ratios"}
+
+
+# --- the vLLM subprocess protocol, with a stand-in worker -------------------------------------
+
+
+def fake_worker(tmp_path, body: str) -> Path:
+    script = tmp_path / "fake_worker.py"
+    script.write_text(body)
+    return script
+
+
+def test_vllm_worker_protocol_progress_and_result(tmp_path, monkeypatch):
+    body = (
+        "import json, sys\n"
+        "spec = json.load(open(sys.argv[1]))\n"
+        "assert spec['requests'][0]['output_len'] == 3 and spec['warm']['output_len'] == 2\n"
+        "print('vllm chatter on stdout')\n"
+        "print(json.dumps({'event': 'phase', 'name': 'latency', 'total': 1}))\n"
+        "print(json.dumps({'event': 'advance', 'n': 1}))\n"
+        "t = {'arrival': 0.0, 'prompt_len': 2, 'chunks': [[0.5, 1], [0.6, 2]]}\n"
+        "print(json.dumps({'event': 'result', 'result': {'version': 'x', 'startup': {'total_s': 1.0},"
+        " 'latency': {'timings': [t], 'duration_s': 1.0}, 'decode': t}}))\n"
+    )
+    monkeypatch.setattr("cli.bench_systems.WORKER", fake_worker(tmp_path, body))
+    seen = []
+
+    def phase(name, total):
+        seen.append((name, total))
+        return lambda n=1: seen.append(n)
+
+    system = VLLMSystem(tmp_path, python=Path(sys.executable), dtype="bfloat16", eager=False, max_model_len=64,
+                        max_num_seqs=8, max_num_batched_tokens=64)
+    req = BenchRequest([5, 6], 3)
+    out = system.run(mode="latency", requests=[req], warm=BenchRequest([5, 6], 2), concurrency=1, decode=req, phase=phase)
+    assert seen == [("vLLM: latency", 1), 1]
+    assert out["latency"]["timings"][0].output_len == 3 and out["decode"].tpot == pytest.approx(0.1 / 2)
+
+
+def test_vllm_worker_failure_reports_its_log(tmp_path, monkeypatch):
+    monkeypatch.setattr("cli.bench_systems.WORKER", fake_worker(tmp_path, "import sys\nsys.stderr.write('no vllm here')\nsys.exit(3)\n"))
+    system = VLLMSystem(tmp_path, python=Path(sys.executable), dtype="bfloat16", eager=False, max_model_len=64,
+                        max_num_seqs=8, max_num_batched_tokens=64)
+    with pytest.raises(BenchError, match="status 3(.|\n)*no vllm here"):
+        system.run(mode="throughput", requests=[BenchRequest([1], 1)], warm=BenchRequest([1], 2), concurrency=0,
+                   decode=None, phase=lambda name, total: (lambda n=1: None))
+    assert python_of(tmp_path) == tmp_path / "bin" / "python"
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("bench"), "llama3", seed=1)
+
+
+QUICK = ["--eager", "--dtype", "float32", "--peak-matmul-size", "64", "--bandwidth-mib", "4", "--no-progress"]
+
+
+def bench(*args):
+    return CliRunner().invoke(bench_app, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_throughput_end_to_end_with_hf_peer(tiny, tmp_path):
+    report = tmp_path / "report.json"
+    result = bench("throughput", "--model", tiny, "-n", 3, "--input-len", 4, 9, "--output-len", 2, 5, "--seed", 7,
+                   "--peer", "hf", "--hf-batch-size", 2, "--decode-tokens", 4, "--json", report, *QUICK)
+    assert result.exit_code == 0, result.output
+    assert "toolkit (eager) / transformers" in result.output and "output tokens/s" in result.output
+    doc = json.loads(report.read_text())
+    assert {"command", "machine", "roofline", "model", "workload", "settings", "systems", "rows"} <= set(doc)
+    assert doc["machine"]["torch"] == torch.__version__ and doc["machine"]["cpu"]
+    workload = random_workload(3, (4, 9), (2, 5), VOCAB, seed=7)
+    want_out = sum(r.output_len for r in workload)
+    ours, hf = doc["systems"]["toolkit (eager)"], doc["systems"]["transformers"]
+    # Both systems are credited with exactly the requested tokens; transformers' batch waste is separate.
+    assert ours["throughput"]["output_tokens"] == hf["throughput"]["output_tokens"] == want_out
+    assert hf["throughput"]["generated_tokens"] >= want_out
+    assert ours["decode"]["output_tokens"] == hf["decode"]["output_tokens"] == 4
+    assert ours["roofline"]["useful_flops"] == hf["roofline"]["useful_flops"] > 0
+    row = next(r for r in doc["rows"] if r["metric"] == "output tokens/s")
+    assert row["ratios"]["toolkit (eager) / transformers"] == pytest.approx(
+        row["values"]["toolkit (eager)"] / row["values"]["transformers"])
+
+
+def test_latency_end_to_end(tiny, tmp_path):
+    report = tmp_path / "lat.json"
+    result = bench("latency", "--model", tiny, "-n", 3, "--input-len", 4, 6, "--output-len", 2, 4, "-c", 2,
+                   "--decode-tokens", 0, "--json", report, *QUICK)
+    assert result.exit_code == 0, result.output
+    lat = json.loads(report.read_text())["systems"]["toolkit (eager)"]["latency"]
+    assert lat["completed"] == 3 and lat["concurrency"] == 2
+    assert lat["output_tokens"] == sum(r.output_len for r in random_workload(3, (4, 6), (2, 4), VOCAB, seed=0))
+    assert lat["ttft_ms"]["mean"] > 0 and lat["e2el_ms"]["p99"] >= lat["ttft_ms"]["p99"]
+
+
+def test_cli_errors(tiny):
+    r = CliRunner().invoke(bench_app, ["throughput", "--model", str(tiny), "--peer", "nope", "--no-progress"])
+    assert r.exit_code == 2 and "unknown --peer" in r.output
+    r = CliRunner().invoke(bench_app, ["throughput", "--model", str(tiny), "--peer", "vllm", "--no-progress"],
+                           env={"TOOLKIT_BENCH_VLLM_PYTHON": None})
+    assert r.exit_code == 2 and "--peer-python" in r.output
+    r = CliRunner().invoke(bench_app, ["throughput", "--no-progress"])
+    assert r.exit_code == 2 and "--model" in r.output

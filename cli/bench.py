@@ -291,7 +291,7 @@ def _run(command: str, o: dict) -> None:
                   "layer_linear_parameters": layer_linear_params(mc)}
     workload = workload_summary(requests) | {
         "source": str(o["dataset"]) if o["dataset"] else "random", "seed": o["seed"],
-        "input_len": list(o["input_len"]), "output_len": list(o["output_len"]), "greedy": True, "ignore_eos": True}
+        "input_len_range": list(o["input_len"]), "output_len_range": list(o["output_len"]), "greedy": True, "ignore_eos": True}
     settings = {"max_model_len": max_model_len, "kv_cache_bytes_ours": kv_bytes, "max_num_seqs": o["max_num_seqs"],
                 "max_num_batched_tokens": o["max_num_batched_tokens"], "hf_batch_size": o.get("hf_batch_size"),
                 "concurrency": concurrency or None, "decode_tokens": o["decode_tokens"], "vllm_eager": o["vllm_eager"]}

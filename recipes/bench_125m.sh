@@ -23,6 +23,6 @@ if [[ -x "$VLLM_PYTHON" ]]; then PEERS+=(--peer vllm --peer-python "$VLLM_PYTHON
 mkdir -p "$OUT"
 
 "$TOOLKIT" bench throughput --model-shape 125m --both "${PEERS[@]}" \
-    --json "$OUT/throughput.json" --profile "$OUT/profile.txt" | tee "$OUT/throughput.txt"
+    --json "$OUT/throughput.json" --profile "$OUT/profile.txt" --profile-requests 8 | tee "$OUT/throughput.txt"
 "$TOOLKIT" bench latency --model-shape 125m --concurrency 8 "${PEERS[@]}" \
     --json "$OUT/latency.json" | tee "$OUT/latency.txt"

@@ -15,6 +15,9 @@ class AttentionMetadata:
     slot_mapping:    int64 [T]; cache slot of each packed token (block_id * block_size + offset),
                      -1 for padding tokens, which are not written.
     backend:         "torch" (reference, any device) or "triton".
+    decode_only:     every row is one decode token (q row i is request i's). Compiled steps pad such a
+                     batch's rows to the token bucket, and the torch backend then traces decode attention
+                     (`decode_torch.py`) into the graph instead of calling the opaque op.
     """
 
     query_start_loc: torch.Tensor
@@ -22,3 +25,4 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     backend: str = "torch"
+    decode_only: bool = False

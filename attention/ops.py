@@ -9,6 +9,7 @@ but triton itself is imported only when one of them first runs, so the package i
 import torch
 
 from .metadata import AttentionMetadata
+from .decode_torch import decode_attention_torch
 from .reference import paged_attention_torch, write_kv_torch
 
 BACKENDS = ("torch", "triton")
@@ -92,5 +93,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: Attention
     if metadata.backend == "triton":
         return torch.ops.toolkit.paged_attention_triton(*args)
     if metadata.backend == "torch":
+        if metadata.decode_only and torch.compiler.is_compiling():
+            # Traced, so Inductor fuses the paged gather into the reductions (see decode_torch.py).
+            return decode_attention_torch(q, kv_cache, metadata.seq_lens, metadata.block_tables, scale)
         return torch.ops.toolkit.paged_attention(*args)
     raise ValueError(f"unknown attention backend {metadata.backend!r}; expected one of {BACKENDS}")

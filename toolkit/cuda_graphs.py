@@ -64,9 +64,9 @@ class DecodeGraphs:
         static["slot_mapping"][:b].copy_(meta.slot_mapping[:b])
         static["query_start_loc"].copy_(torch.clamp(torch.arange(static["query_start_loc"].shape[0], device=self.device), max=b))
         static["seq_lens"].zero_()
-        static["seq_lens"][:b].copy_(meta.seq_lens)
+        static["seq_lens"][:b].copy_(meta.seq_lens[:b])  # rows past b are padding
         static["block_tables"].zero_()
-        static["block_tables"][:b, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        static["block_tables"][:b, : meta.block_tables.shape[1]].copy_(meta.block_tables[:b])
 
     def _capture(self, bucket: int) -> None:
         start = time.perf_counter()

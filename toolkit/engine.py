@@ -57,6 +57,9 @@ class EngineConfig:
     load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
     compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
     cuda_graphs: bool = True  # on CUDA with the Triton backend, replay captured graphs for decode-only steps
+    # On CPU, keep linear weights in oneDNN's packed layout where the dtype is native (toolkit/packed_linear.py);
+    # tensor-parallel ranks keep plain DTensor weights.
+    prepack_weights: bool = True
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):
@@ -131,6 +134,7 @@ class Engine:
             load_format=config.load_format,
             compile_backend=config.compile_backend,
             cuda_graphs=config.cuda_graphs,
+            prepack_weights=config.prepack_weights,
             tp=self.tp,
         )
         kv = self.runner.kv_spec

@@ -29,6 +29,7 @@ from scheduling import ScheduledRequest
 from parallel import processes_per_device
 from toolkit.config import ModelConfig
 from toolkit.cuda_graphs import DecodeGraphs
+from toolkit.packed_linear import pack_linears, packing_supported
 from toolkit.weights import load_model
 
 log = logging.getLogger("toolkit")
@@ -80,6 +81,7 @@ class ModelRunner:
         load_format: str = "safetensors",
         compile_backend: str = "inductor",
         cuda_graphs: bool = True,
+        prepack_weights: bool = True,
         tp=None,  # parallel.TensorParallel: this rank's shard of the weights and of the kv heads
     ):
         self.config = config
@@ -91,6 +93,9 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(config, dtype, device, max_positions=max_model_len, load_format=load_format, tp=tp)
         self.tp = tp
+        self.packed_linears = 0
+        if prepack_weights and tp is None and packing_supported(device, dtype):
+            self.packed_linears = pack_linears(self.model, batch_hint=min(max_num_seqs, 64))
         self.num_kv_heads = tp.num_kv_heads_local if tp is not None else config.num_kv_heads
         self.load_seconds = time.perf_counter() - start
         self.kv_spec = self._size_kv_cache(
@@ -106,6 +111,9 @@ class ModelRunner:
         else:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/toolkit/inductor"))
             self.forward = torch.compile(self.model, fullgraph=True, dynamic=True, backend=compile_backend)
+            for cache in self.kv_caches:
+                # Its shape never changes: static sizes let Inductor unroll the head and block loops.
+                torch._dynamo.mark_static(cache)
         self.decode_graphs = None
         if cuda_graphs and DecodeGraphs.supported(device, attention_backend, enforce_eager):
             max_blocks = math.ceil(max_model_len / block_size)
@@ -159,12 +167,19 @@ class ModelRunner:
         logits_indices = cu[1:][sampled] - 1
 
         input_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in scheduled), np.int64, num_tokens)
+        decode_only = num_tokens == len(scheduled) and bool(sampled.all())
         padded = num_tokens if self.enforce_eager else self._bucket(num_tokens)
         pad = padded - num_tokens
         if pad:
             input_ids = np.concatenate([input_ids, np.zeros(pad, np.int64)])
             positions = np.concatenate([positions, np.zeros(pad, np.int64)])
             slots = np.concatenate([slots, np.full(pad, -1, np.int64)])
+            if decode_only:
+                # One row per token, padding included, so traced decode attention needs no slicing:
+                # a padding row attends to slot 0 of block 0 (always allocated) and is never read.
+                cu = np.concatenate([cu, cu[-1] + np.arange(1, pad + 1)])
+                seq_lens = np.concatenate([seq_lens, np.ones(pad, np.int64)])
+                block_tables = np.concatenate([block_tables, np.zeros((pad, block_tables.shape[1]), np.int64)])
 
         to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dtype=dt, device=self.device)  # noqa: E731
         meta = AttentionMetadata(
@@ -173,11 +188,11 @@ class ModelRunner:
             block_tables=to(block_tables, torch.int32),
             slot_mapping=to(slots, torch.int64),
             backend=self.attention_backend,
+            decode_only=decode_only,
         )
-        decode_only = num_tokens == len(scheduled) and bool(sampled.all())
         logits_indices = to(logits_indices, torch.int64)
         if not self.enforce_eager:
-            _mark_sizes_unbacked(meta, logits_indices)
+            _mark_sizes_unbacked(meta, logits_indices, rows_are_tokens=decode_only)
         return StepInputs(to(input_ids, torch.int64), to(positions, torch.int64), meta, logits_indices,
                           num_tokens, decode_only)
 
@@ -200,12 +215,17 @@ class ModelRunner:
         return logits
 
 
-def _mark_sizes_unbacked(meta: AttentionMetadata, logits_indices: torch.Tensor) -> None:
+def _mark_sizes_unbacked(meta: AttentionMetadata, logits_indices: torch.Tensor, rows_are_tokens: bool) -> None:
     """Batch sizes of 0 or 1 and coincidentally equal sizes would each cost a recompile (dynamo
-    specializes 0/1 and "duck-sizes" equal dims); unbacked sizes make one graph serve them all."""
+    specializes 0/1 and "duck-sizes" equal dims); unbacked sizes make one graph serve them all.
+
+    In a padded decode-only step the rows are the (padded, >= MIN_BUCKET) tokens: those sizes stay
+    backed, so the graph knows block_tables.shape[0] == q.shape[0].
+    """
     from torch._dynamo.decorators import mark_unbacked
 
-    for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping, logits_indices):
+    per_row = () if rows_are_tokens else (meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    for t in (*per_row, meta.slot_mapping, logits_indices):
         mark_unbacked(t, 0)
     mark_unbacked(meta.block_tables, 1)
 

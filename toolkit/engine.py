@@ -20,6 +20,7 @@ from scheduling import Request, RequestStatus, Scheduler, SchedulerConfig, Sched
 from toolkit.config import ModelConfig, check_sliding_window, load_model_config, resolve_dtype
 from toolkit.detokenizer import IncrementalDetokenizer
 from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from toolkit.packed_linear import packing_supported
 from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
 from toolkit.sampling_params import SamplingParams
@@ -110,6 +111,10 @@ class Engine:
         self.device = self.parallel.device if self.parallel is not None else torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(config.dtype, mc.checkpoint_dtype)
+        if self.device.type == "cpu" and self.dtype != torch.float32 and not packing_supported(self.device, self.dtype):
+            log.warning(
+                "%s on a CPU without native %s units (no AVX-512 BF16/AMX here): matmuls run emulated, several "
+                "times slower than float32; dtype='float32' is the fast choice on this host", self.dtype, self.dtype)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(

@@ -3,8 +3,8 @@
 Host work per step is a handful of numpy operations over the whole batch (no per-token Python
 loops). Each decoder layer is `torch.compile`d with `fullgraph=True` unless `enforce_eager`:
 
-- Shapes: the compiled graph is dynamic in the packed token count T, the batch size B and the
-  block-table width, and T is padded up to a power-of-two bucket, so a long run with varied batches
+- Shapes: the compiled graphs are dynamic in the packed token count T, the batch size B and the
+  block-table width, and T is padded to at least MIN_BUCKET, so a long run with varied batches
   compiles a handful of graphs (dynamo specializes sizes 0 and 1) instead of one per step.
 - When: lazily, on the first step that needs a new graph; each compile is logged with its time.
   Inductor's on-disk caches (FX graph and AOTAutograd caches, under ~/.cache/toolkit/inductor unless
@@ -36,8 +36,8 @@ from toolkit.weights import load_model
 
 log = logging.getLogger("toolkit")
 
-# Packed-token buckets for compiled steps: powers of two up to the largest step.
-MIN_BUCKET = 8
+# Compiled steps pad the packed token count to at least this.
+MIN_BUCKET = 2  # not 1: dynamo specializes size 1. (Not 8: a batch-1 decode padded to 8 rows ran 1.6x slower.)
 
 
 @dataclass
@@ -206,7 +206,9 @@ class ModelRunner:
                           num_tokens, decode_only)
 
     def _bucket(self, n: int) -> int:
-        return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+        # Sizes are symbolic in the graphs, so any n >= 2 reuses them; rounding up further would only
+        # multiply padding rows (a 33-request decode padded to 64 cost as much as 64 requests).
+        return max(MIN_BUCKET, n)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:

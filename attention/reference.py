@@ -20,10 +20,12 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     # view (not reshape) so a non-contiguous cache fails loudly instead of writing into a copy.
     k_slots = kv_cache[0].view(-1, num_kv_heads, head_dim)
     v_slots = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()  # index_copy_ wants int64 indices
-    k_slots.index_copy_(0, slots, k[valid].to(kv_cache.dtype))
-    v_slots.index_copy_(0, slots, v[valid].to(kv_cache.dtype))
+    slots = slot_mapping.long()  # index_copy_ wants int64 indices
+    valid = slots >= 0
+    if not bool(valid.all()):  # masking costs more than the copy itself: only when there is padding
+        slots, k, v = slots[valid], k[valid], v[valid]
+    k_slots.index_copy_(0, slots, k.to(kv_cache.dtype))
+    v_slots.index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
 def paged_attention_torch(

@@ -28,13 +28,7 @@ from tests.checkpoints import VOCAB, write_checkpoint
 from toolkit.config import load_model_config
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The machine is shared: two torch threads fighting other processes for two cores run much slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def timing(arrival, chunks, prompt_len=5):

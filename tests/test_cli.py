@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -29,15 +28,7 @@ from toolkit import LLM, SamplingParams
 REPO = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 128
 ENGINE_FLAGS = ["--eager", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "8MiB"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The machine is shared: two torch threads fighting other processes for two cores run ~50x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import torch
 from .metadata import AttentionMetadata
 from .decode_torch import decode_attention_torch
 from .reference import paged_attention_torch, write_kv_torch
+from .write_torch import write_kv_traced
 
 BACKENDS = ("torch", "triton")
 
@@ -71,12 +72,16 @@ def write_kv(
 ) -> None:
     """Write k, v [T, Hkv, D] into kv_cache [2, N, block_size, Hkv, D] in place at slot_mapping [T].
 
-    Slot -1 marks a padding token, which is not written.
+    Slot -1 marks a padding token, which is not written. Under torch.compile the torch backend traces
+    the write into the graph (`write_torch.py`); there padding must follow at least one real token.
     """
     if backend == "triton":
         torch.ops.toolkit.write_kv_triton(k, v, kv_cache, slot_mapping)
     elif backend == "torch":
-        torch.ops.toolkit.write_kv(k, v, kv_cache, slot_mapping)
+        if torch.compiler.is_compiling():
+            write_kv_traced(k, v, kv_cache, slot_mapping)
+        else:
+            torch.ops.toolkit.write_kv(k, v, kv_cache, slot_mapping)
     else:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
 

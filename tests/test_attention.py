@@ -220,6 +220,23 @@ def test_write_kv_writes_exactly_the_given_slots():
     assert torch.equal(cache, expected)  # the given slots hold k/v; every other slot is untouched
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_traced_write_kv_matches_the_op_and_skips_tail_padding(compiled):
+    """write_torch.py (what compiled torch-backend steps trace): the same cache as the op, padding rows
+    (-1, after the real tokens) leave every slot but the real ones untouched."""
+    from attention.write_torch import write_kv_traced
+
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(2, 6, 16, 2, 64, generator=gen)
+    slots = torch.tensor([37, 0, 95, 16, -1, -1], dtype=torch.int64)
+    k, v = torch.randn(2, len(slots), 2, 64, generator=gen)
+    expected = cache.clone()
+    write_kv(k, v, expected, slots)  # eager: the op
+    fn = torch.compile(write_kv_traced, fullgraph=True, dynamic=True) if compiled else write_kv_traced
+    fn(k, v, cache, slots)
+    assert torch.equal(cache, expected)
+
+
 def test_write_kv_then_attention_over_chunks():
     """The engine's flow: a prompt prefilled in two chunks, then a decode, each step writing its KV first."""
     gen = torch.Generator().manual_seed(1)
@@ -265,11 +282,13 @@ def test_compiled_step_matches_eager_without_graph_breaks():
     compiled, codes = run_and_get_code(compiled_step, batch.q, k_new, v_new, compiled_cache, batch.metadata)
     assert torch.equal(compiled_cache, eager_cache)  # the in-place write reached the caller's cache
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
-    # Functionalization must be undone: the op writes into the caller's cache itself. A clone or a
-    # copy-back here would move the whole KV cache of a layer on every step.
+    # The torch backend traces the write (write_torch.py), and it must stay in place: a clone or a
+    # copy-back would move the whole KV cache of a layer on every step, a loop over all its elements.
     code = "\n".join(codes)
-    assert "torch.ops.toolkit.write_kv.default(" in code
-    assert "clone" not in code and "copy_" not in code
+    assert "torch.ops.toolkit.write_kv.default(" not in code
+    assert "clone" not in code
+    for n in (batch.kv_cache.numel(), batch.kv_cache.numel() // 2):
+        assert f"{n}L" not in code, f"a loop over {n} cache elements: the write was not in place"
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_CONFIGS)

@@ -18,12 +18,23 @@ import torch
 from torch import nn
 
 
-@torch.library.custom_op("toolkit::packed_linear", mutates_args=())
-def _packed_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+# Defined with the low-level torch.library API, not `custom_op`: a decode step calls it 85 times and
+# custom_op's Python wrapper added ~15 us to each call (~1.3 ms of a 45 ms batch-1 step).
+_lib = torch.library.Library("toolkit", "FRAGMENT")
+_lib.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor")
+_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default
 
 
-@_packed_linear_op.register_fake
+def _packed_linear(x, packed_weight, bias):
+    return _linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+# The packed weight is a oneDNN (MkldnnCPU) tensor and x a dense one: the call dispatches on either key.
+_lib.impl("packed_linear", _packed_linear, "CPU")
+_lib.impl("packed_linear", _packed_linear, "MkldnnCPU")
+
+
+@torch.library.register_fake("toolkit::packed_linear")
 def _packed_linear_fake(x, packed_weight, bias):
     return x.new_empty(x.shape[0], packed_weight.shape[0])
 
@@ -39,7 +50,7 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.toolkit.packed_linear(x, self.packed_weight, self.bias)
+        return torch.ops.toolkit.packed_linear.default(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

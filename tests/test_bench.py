@@ -21,7 +21,7 @@ from cli.bench import bench_app
 from cli.bench_metrics import RequestTiming, decode_metrics, latency_metrics, summarize, throughput_metrics
 from cli.bench_model import shape_config_only
 from cli.bench_report import HIGHER, LOWER, build_rows, render_table, report_json
-from cli.bench_roofline import decode_bytes_per_token, layer_linear_params, request_flops
+from cli.bench_roofline import best_of_probes, decode_bytes_per_token, layer_linear_params, request_flops
 from cli.bench_systems import BenchError, VLLMSystem, python_of
 from cli.bench_workload import BenchRequest, hf_batches, load_dataset, random_workload, workload_summary
 from tests.checkpoints import VOCAB, write_checkpoint
@@ -355,3 +355,14 @@ def test_cli_errors(tiny):
     assert r.exit_code == 2 and "--peer-python" in r.output
     r = CliRunner().invoke(bench_app, ["throughput", "--no-progress"])
     assert r.exit_code == 2 and "--model" in r.output
+
+
+def test_roofline_is_the_best_of_the_probes_before_and_after():
+    before = {"n": 2048, "dtype": "float32", "seconds": 0.2, "flops_per_s": 86e9}
+    after = {"n": 2048, "dtype": "float32", "seconds": 0.11, "flops_per_s": 151e9}
+    best = best_of_probes(before, after)
+    assert best["flops_per_s"] == 151e9 and best["seconds"] == 0.11
+    assert best["flops_per_s_samples"] == [86e9, 151e9]
+    bw = best_of_probes({"bytes": 8, "read_bytes_per_s": 26e9, "copy_bytes_per_s": 10e9},
+                        {"bytes": 8, "read_bytes_per_s": 20e9, "copy_bytes_per_s": 12e9})
+    assert bw["read_bytes_per_s"] == 26e9 and bw["copy_bytes_per_s"] == 12e9  # each rate's own best

@@ -132,7 +132,7 @@ def best_of_probes(before: dict, after: dict) -> dict:
     what it showed once, so the higher reading is the roofline; both are kept in the JSON.
     """
     rate_keys = [k for k in before if k.endswith("_per_s")]
-    best = max((before, after), key=lambda p: p[rate_keys[0]]) | {}
+    best = dict(max((before, after), key=lambda p: p[rate_keys[0]]))  # a copy: the probes stay as taken
     for k in rate_keys:
         best[k] = max(before[k], after[k])
         best[f"{k}_samples"] = [before[k], after[k]]

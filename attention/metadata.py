@@ -16,8 +16,9 @@ class AttentionMetadata:
                      -1 for padding tokens, which are not written.
     backend:         "torch" (reference, any device) or "triton".
     decode_only:     every row is one decode token (q row i is request i's). Compiled steps pad such a
-                     batch's rows to the token bucket, and the torch backend then traces decode attention
-                     (`decode_torch.py`) into the graph instead of calling the opaque op.
+                     batch's rows to the token bucket. The torch backend then runs the CPU decode kernel
+                     (`decode_cpu.py`) on CPU, or traces decode attention (`decode_torch.py`) into the
+                     graph elsewhere, instead of calling the general opaque op.
     """
 
     query_start_loc: torch.Tensor

@@ -9,6 +9,7 @@ but triton itself is imported only when one of them first runs, so the package i
 import torch
 
 from .metadata import AttentionMetadata
+from . import decode_cpu
 from .decode_torch import decode_attention_torch
 from .reference import paged_attention_torch, write_kv_torch
 from .write_torch import write_kv_traced
@@ -98,6 +99,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: Attention
     if metadata.backend == "triton":
         return torch.ops.toolkit.paged_attention_triton(*args)
     if metadata.backend == "torch":
+        if metadata.decode_only and decode_cpu.supports(q, kv_cache):
+            # Eager or compiled: the C++ kernel (decode_cpu.py), an opaque op to the compiler.
+            return decode_cpu.paged_decode_cpu(q, kv_cache, metadata.seq_lens, metadata.block_tables, scale)
         if metadata.decode_only and torch.compiler.is_compiling():
             # Traced, so Inductor fuses the paged gather into the reductions (see decode_torch.py).
             return decode_attention_torch(q, kv_cache, metadata.seq_lens, metadata.block_tables, scale)

@@ -307,22 +307,6 @@ def test_traced_decode_attention_matches_dense(num_heads, num_kv_heads, dtype):
     torch.testing.assert_close(out.double(), dense_reference(batch), atol=tol, rtol=tol)
 
 
-def test_compiled_decode_only_step_traces_decode_attention():
-    """A decode_only step under torch.compile runs decode_torch.py inside the graph (no opaque op),
-    with the same result as the reference op, and stays one graph."""
-    from torch._inductor.utils import run_and_get_code  # imports triton: keep it out of collection
-
-    batch = make_batch([(20, 1), (0, 1), (33, 1)], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
-    meta = batch.metadata
-    meta.decode_only = True
-    eager = paged_attention(batch.q, batch.kv_cache, meta, batch.scale)  # not compiling: the reference op
-    torch.testing.assert_close(eager.double(), dense_reference(batch), atol=1e-5, rtol=1e-5)
-    compiled_fn = torch.compile(lambda q, kv, m: paged_attention(q, kv, m, batch.scale), fullgraph=True)
-    compiled, codes = run_and_get_code(compiled_fn, batch.q, batch.kv_cache, meta)
-    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
-    assert "toolkit.paged_attention" not in "\n".join(codes)
-
-
 # ---- sizing ---------------------------------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attention import AttentionMetadata, allocate_kv_cache, available_memory_bytes, kv_cache_bytes_per_token
+from attention import AttentionMetadata, allocate_kv_cache, available_memory_bytes, decode_cpu, kv_cache_bytes_per_token
 from scheduling import ScheduledRequest
 from parallel import processes_per_device
 from toolkit.config import ModelConfig
@@ -121,6 +121,8 @@ class ModelRunner:
             # from our own block pool and prepare() range-checks them once per step on the host instead
             # (decode attention ran ~15% faster without the per-vector checks).
             options = {"assert_indirect_indexing": False} if compile_backend == "inductor" else None
+            if torch.device(device).type == "cpu":
+                decode_cpu.kernel_available()  # build it now: the graphs read its availability as a constant
             for layer in self.model.model.layers:
                 layer.compile(fullgraph=True, dynamic=True, backend=compile_backend, options=options)
             self.forward = self.model

@@ -1,0 +1,177 @@
+// Paged decode attention for CPU: one query token per row against its paged K/V, in one pass.
+//
+// Why hand-written: Inductor's code for the traced version (decode_torch.py) computes each score as
+// one 64-wide dot product ending in a horizontal sum, a dependent chain the core waits on, and it
+// computes the masked padding positions of short rows too. Here each row is one task that walks only
+// its own blocks with an online softmax (flash-decoding's recurrence), so its K/V are read once, in
+// place, and scores are computed 8 rows at a time with one shuffle tree for their 8 sums. Measured
+// on a 64-request decode it is memory-bound in a step (see docs/benchmarks.md); software prefetch
+// of the next block was tried and gave nothing over the hardware prefetcher.
+//
+// Layout (attention/kv_cache.py): keys and values are [num_blocks, block_size, num_kv_heads, head_dim]
+// each; q and out are [rows, num_heads, head_dim] float32; query head h uses kv head h / G, so a kv
+// head's G query heads are adjacent rows of q. Built by decode_cpu.py with -O3 -march=native
+// -ffast-math -fopenmp; fast-math lets the exp loops vectorize (glibc's libmvec), so no infinities
+// are used: the running max starts at -FLT_MAX.
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// GCC/Clang vector extensions: 8 floats, one AVX2 register here, lowered portably elsewhere.
+typedef float vec8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline vec8 load8(const float* p) {
+    vec8 r;
+    std::memcpy(&r, p, sizeof r);
+    return r;
+}
+
+inline vec8 load8(const uint16_t* p) {  // bfloat16 is the high half of a float32
+    u16x8 half;
+    std::memcpy(&half, p, sizeof half);
+    u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
+    vec8 r;
+    std::memcpy(&r, &bits, sizeof r);
+    return r;
+}
+
+inline void store8(float* p, vec8 x) { std::memcpy(p, &x, sizeof x); }
+
+inline vec8 pair_sums(vec8 a, vec8 b) {  // lanes (a0+a1, b0+b1, a2+a3, b2+b3, ...)
+    return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+// The 8 horizontal sums of x[0..7] as one vector: a transpose-and-add tree, 12 shuffles for 8 dot
+// products, where one horizontal sum per dot product made the score loop latency-bound.
+inline vec8 horizontal_sums(const vec8* x) {
+    vec8 t0 = pair_sums(x[0], x[1]), t1 = pair_sums(x[2], x[3]);
+    vec8 t2 = pair_sums(x[4], x[5]), t3 = pair_sums(x[6], x[7]);
+    vec8 u0 = __builtin_shufflevector(t0, t1, 0, 1, 8, 9, 4, 5, 12, 13) +
+              __builtin_shufflevector(t0, t1, 2, 3, 10, 11, 6, 7, 14, 15);
+    vec8 u1 = __builtin_shufflevector(t2, t3, 0, 1, 8, 9, 4, 5, 12, 13) +
+              __builtin_shufflevector(t2, t3, 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// scores[0..7] = scale * (q . key row j) for 8 consecutive cache rows starting at key.
+template <typename T>
+inline vec8 scores8(const float* q, const T* key, int64_t row_stride, int head_dim, float scale) {
+    vec8 acc[8] = {};
+    for (int d = 0; d < head_dim; d += 8) {
+        const vec8 qd = load8(q + d);
+        for (int j = 0; j < 8; ++j) acc[j] += qd * load8(key + j * row_stride + d);
+    }
+    return horizontal_sums(acc) * scale;
+}
+
+template <typename T>
+void decode_row(const float* q, const T* k, const T* v, const int32_t* table, int len, float* out, int num_heads,
+                int num_kv_heads, int head_dim, int block_size, float scale) {
+    // One row, all heads: a block's keys (then values) are read as one contiguous run of block_size *
+    // num_kv_heads * head_dim elements, which the hardware prefetcher follows; per-head tasks read
+    // head_dim-long pieces at a stride and ran at half the bandwidth.
+    const int group = num_heads / num_kv_heads;
+    const int64_t row_stride = int64_t(num_kv_heads) * head_dim;
+    float running_max[num_heads], denom[num_heads], acc[num_heads * head_dim], p[num_heads * block_size];
+    for (int h = 0; h < num_heads; ++h) { running_max[h] = -FLT_MAX; denom[h] = 0.f; }
+    std::fill(acc, acc + num_heads * head_dim, 0.f);
+
+    for (int start = 0; start < len; start += block_size) {
+        const int n = std::min(block_size, len - start);
+        const int64_t base = int64_t(table[start / block_size]) * block_size * row_stride;
+        // Scores in groups of 8 rows. Rows past n in the last block exist (whole blocks are
+        // allocated); their scores are computed and never read.
+        for (int h = 0; h < num_heads; ++h) {
+            const T* key = k + base + (h / group) * head_dim;
+            for (int i = 0; i < n; i += 8)
+                store8(p + h * block_size + i, scores8(q + h * head_dim, key + i * row_stride, row_stride, head_dim, scale));
+        }
+        for (int h = 0; h < num_heads; ++h) {
+            float* ph = p + h * block_size;
+            float block_max = running_max[h];
+            for (int i = 0; i < n; ++i) block_max = std::max(block_max, ph[i]);
+            const float correction = std::exp(running_max[h] - block_max);
+            running_max[h] = block_max;
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < n; ++i) {
+                ph[i] = std::exp(ph[i] - block_max);
+                sum += ph[i];
+            }
+            denom[h] = denom[h] * correction + sum;
+            float* ah = acc + h * head_dim;
+            for (int d0 = 0; d0 < head_dim; d0 += 64) {  // a 64-float tile of the output in registers
+                const int width = std::min(64, head_dim - d0);
+                vec8 tile[8];
+                for (int c = 0; c < width / 8; ++c) tile[c] = load8(ah + d0 + 8 * c) * correction;
+                const T* value = v + base + (h / group) * head_dim + d0;
+                for (int i = 0; i < n; ++i) {
+                    const float w = ph[i];
+                    for (int c = 0; c < width / 8; ++c) tile[c] += w * load8(value + i * row_stride + 8 * c);
+                }
+                for (int c = 0; c < width / 8; ++c) store8(ah + d0 + 8 * c, tile[c]);
+            }
+        }
+    }
+    for (int h = 0; h < num_heads; ++h) {
+        const float inv = denom[h] > 0.f ? 1.f / denom[h] : 0.f;  // a row of length 0 gives zeros
+        for (int d = 0; d < head_dim; ++d) out[h * head_dim + d] = acc[h * head_dim + d] * inv;
+    }
+}
+
+// A row whose length overruns its block-table row, or whose table names a block outside the cache.
+inline bool row_is_bad(const int32_t* table, int len, int table_width, int block_size, int num_blocks) {
+    if (len < 0 || len > int64_t(table_width) * block_size) return true;
+    for (int b = 0; b * block_size < len; ++b)
+        if (table[b] < 0 || table[b] >= num_blocks) return true;
+    return false;
+}
+
+// Returns how many rows were refused for bad lengths or block ids (their output is left unwritten).
+template <typename T>
+int decode(const float* q, const T* k, const T* v, const int32_t* seq_lens, const int32_t* tables, float* out,
+           int rows, int num_heads, int num_kv_heads, int head_dim, int block_size, int table_width, int num_blocks,
+           float scale) {
+    int bad = 0;
+    // Rows differ in length, so they are handed out dynamically rather than split evenly.
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : bad)
+    for (int r = 0; r < rows; ++r) {
+        const int32_t* table = tables + int64_t(r) * table_width;
+        if (row_is_bad(table, seq_lens[r], table_width, block_size, num_blocks)) {
+            ++bad;
+            continue;
+        }
+        const int64_t off = int64_t(r) * num_heads * head_dim;
+        decode_row(q + off, k, v, table, seq_lens[r], out + off, num_heads, num_kv_heads, head_dim, block_size, scale);
+    }
+    return bad;
+}
+
+}  // namespace
+
+extern "C" {
+
+int paged_decode_f32(const float* q, const float* k, const float* v, const int32_t* seq_lens, const int32_t* tables,
+                     float* out, int rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                     int table_width, int num_blocks, float scale) {
+    return decode(q, k, v, seq_lens, tables, out, rows, num_heads, num_kv_heads, head_dim, block_size, table_width,
+                  num_blocks, scale);
+}
+
+int paged_decode_bf16(const float* q, const uint16_t* k, const uint16_t* v, const int32_t* seq_lens,
+                      const int32_t* tables, float* out, int rows, int num_heads, int num_kv_heads, int head_dim,
+                      int block_size, int table_width, int num_blocks, float scale) {
+    return decode(q, k, v, seq_lens, tables, out, rows, num_heads, num_kv_heads, head_dim, block_size, table_width,
+                  num_blocks, scale);
+}
+
+}

@@ -107,3 +107,17 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     assert decode_cpu.kernel_available()
     tiny = torch.tensor([1e-39])  # subnormal in float32
     assert (tiny * 1.0).item() != 0.0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_per_row_and_per_kv_head_tasks_agree_with_dense(threads):
+    """Few rows for the thread count split each row by kv head; enough rows make one task per row.
+    With 1 thread the 7-row batch takes per-row tasks; every other case here splits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the kernel's OpenMP runtime is torch's
+    try:
+        for specs in (DECODES, DECODES[-2:]):
+            batch = make_batch(specs, block_size=16, num_heads=12, num_kv_heads=4, head_dim=64, seed=threads)
+            torch.testing.assert_close(_decode(batch).double(), dense_reference(batch), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cli.bench_metrics import decode_metrics, latency_metrics
+from cli.bench_metrics import combine_throughput, decode_metrics, latency_metrics
 from cli.bench_model import SHAPES, resolve_model
 from cli.bench_report import build_rows, render_table, report_json
 from cli.bench_roofline import (
@@ -74,6 +74,10 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="tor
 PeakOpt = Annotated[int, typer.Option("--peak-matmul-size", min=16, help="N of the N^3 matmul timed for the peak.")]
 BandwidthOpt = Annotated[int, typer.Option("--bandwidth-mib", min=1, help="Size of the tensor summed for the bandwidth.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")]
+BracketOpt = Annotated[bool, typer.Option(
+    "--bracket/--no-bracket",
+    help="With a peer: time our engine again after the peers (same engine, no second start-up) and report "
+    "both runs as one, so a machine that speeds up or slows down during the bench moves both sides alike.")]
 
 
 @bench_app.command()
@@ -106,6 +110,7 @@ def throughput(
     peak_matmul_size: PeakOpt = 2048,
     bandwidth_mib: BandwidthOpt = 512,
     progress: ProgressOpt = True,
+    bracket: BracketOpt = True,
 ):
     """Offline throughput: all requests at once; requests/s, output tokens/s, total tokens/s."""
     _run("throughput", locals())
@@ -137,6 +142,7 @@ def latency(
     peak_matmul_size: PeakOpt = 2048,
     bandwidth_mib: BandwidthOpt = 512,
     progress: ProgressOpt = True,
+    bracket: BracketOpt = True,
 ):
     """Latency at a fixed concurrency: TTFT, TPOT and ITL (mean, median, P99) as vLLM's bench serve defines them."""
     _run("latency", locals())
@@ -201,6 +207,9 @@ def _run(command: str, o: dict) -> None:
     other_peak = matmul_peak(other, n=o["peak_matmul_size"])
 
     ours_modes = ["compiled", "eager"] if o["both"] else (["eager"] if o["eager"] else ["compiled"])
+    bracket = bool(o["bracket"] and peers)
+    kept = []  # our systems, kept to be timed again after the peers when bracketing
+    first_raw: dict[str, tuple | None] = {}
     concurrency = o.get("concurrency") or 0
     results: dict[str, dict] = {}
     ours_labels, peer_labels = [], []
@@ -225,7 +234,7 @@ def _run(command: str, o: dict) -> None:
                                     max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes,
                                     max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"])
                 res = {"kind": "ours", "startup": startup(system.label, lambda: system.start(warm))}
-                _run_mode(command, system, requests, concurrency, phase, res)
+                first_raw[system.label] = _run_mode(command, system, requests, concurrency, phase, res)
                 if decode_req:
                     res["decode_timing"] = system.decode(decode_req, phase)
                 if command == "throughput" and o.get("profile") and profile_result is None:
@@ -234,6 +243,8 @@ def _run(command: str, o: dict) -> None:
                 results[system.label] = res
                 _say(bar, system.label, res, partial, results)
                 ours_labels.append(system.label)
+                if bracket:
+                    kept.append(system)
                 del system
                 gc.collect()
             if "hf" in peers:
@@ -266,6 +277,15 @@ def _run(command: str, o: dict) -> None:
                 results[label] = res
                 _say(bar, label, res, partial, results)
                 peer_labels.append(label)
+            for system in reversed(kept):  # mirror order: the last to run before the peers runs first after
+                again = {}
+                after = lambda description, total: phase(f"{description} (after the peers)", total)  # noqa: E731
+                raw = _run_mode(command, system, requests, concurrency, after, again)
+                if decode_req:
+                    again["decode_timing"] = system.decode(decode_req, after)
+                _merge_rounds(command, results[system.label], again, concurrency, (first_raw[system.label], raw))
+                _say(bar, f"{system.label}, both runs", results[system.label], partial, results)
+            kept.clear()
         except BenchError as e:
             bar.stop()
             _fail(str(e))
@@ -280,9 +300,9 @@ def _run(command: str, o: dict) -> None:
             res["roofline"] = {"useful_flops": flops, "gflops_per_s": flops / elapsed / 1e9,
                                "peak_fraction_pct": 100 * flops / elapsed / peak["flops_per_s"]}
         timing = res.pop("decode_timing", None)
-        if timing is not None and timing.output_len > 1:
+        if timing is not None and decode_metrics(timing)["decode_tokens_per_s"]:
             d = decode_metrics(timing)
-            context = timing.prompt_len + timing.output_len / 2  # mean context over the decode steps
+            context = d["prompt_len"] + d["output_tokens"] / 2  # mean context over the decode steps
             per_token = decode_bytes_per_token(mc, dtype_bytes(dtype), context)
             d["bytes_per_token"] = per_token
             d["bandwidth_fraction_pct"] = 100 * per_token * d["decode_tokens_per_s"] / bandwidth["read_bytes_per_s"]
@@ -297,7 +317,8 @@ def _run(command: str, o: dict) -> None:
         "input_len_range": list(o["input_len"]), "output_len_range": list(o["output_len"]), "greedy": True, "ignore_eos": True}
     settings = {"max_model_len": max_model_len, "kv_cache_bytes_ours": kv_bytes, "max_num_seqs": o["max_num_seqs"],
                 "max_num_batched_tokens": o["max_num_batched_tokens"], "hf_batch_size": o.get("hf_batch_size"),
-                "concurrency": concurrency or None, "decode_tokens": o["decode_tokens"], "vllm_eager": o["vllm_eager"]}
+                "concurrency": concurrency or None, "decode_tokens": o["decode_tokens"], "vllm_eager": o["vllm_eager"],
+                "bracket": bracket}
     roofline = {"matmul": peak, "matmul_other_dtype": other_peak, "bandwidth": bandwidth,
                 "flops_formula": "per request (P prompt, O output, T=P+O-1 tokens fed): 2*T*P_layers "
                                  "+ 4*L*Hq*D*T(T+1)/2 + 2*O*V*H",
@@ -308,7 +329,8 @@ def _run(command: str, o: dict) -> None:
                f"read bandwidth {bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s; model {mc.num_parameters:,} params "
                f"{dtype_name}; {len(requests)} requests, {workload['prompt_tokens']} prompt + {workload['output_tokens']} "
                f"output tokens" + (f"; concurrency {concurrency}" if command == "latency" else "")
-               + ". Ratios are ours / peer.")
+               + ". Ratios are ours / peer."
+               + (" Ours: two timed runs, before and after the peers, as one." if bracket else ""))
     title = f"toolkit bench {command}"
     out = Console()
     if not out.is_terminal:
@@ -329,13 +351,32 @@ def _run(command: str, o: dict) -> None:
         Path(o["json_path"]).write_text(json.dumps(doc, indent=2, default=str) + "\n")
 
 
-def _run_mode(command: str, system, requests, concurrency: int, phase, res: dict) -> None:
+def _run_mode(command: str, system, requests, concurrency: int, phase, res: dict):
+    """One timed run into res; in latency mode also returns its raw (timings, duration)."""
     if command == "throughput":
         res["throughput"] = system.throughput(requests, phase)
     else:
         timings, duration = system.latency(requests, concurrency, phase)
         res["latency"] = latency_metrics(timings, duration)
         res["latency"]["concurrency"] = concurrency
+        return timings, duration
+    return None
+
+
+def _merge_rounds(command: str, res: dict, again: dict, concurrency: int, raws: tuple) -> None:
+    """Our two timed runs (before and after the peers) as one system's figures; see --bracket.
+    raws: each run's (timings, duration) in latency mode."""
+    if command == "throughput":
+        res["throughput"] = combine_throughput([res["throughput"], again["throughput"]])
+    else:
+        (first, d1), (second, d2) = raws
+        runs = [res["latency"], again["latency"]]
+        res["latency"] = latency_metrics(first + second, d1 + d2)
+        res["latency"]["concurrency"] = concurrency
+        res["latency"]["runs"] = [{k: run[k] for k in ("duration_s", "output_tokens_per_s", "ttft_ms", "tpot_ms")}
+                                  for run in runs]
+    if "decode_timing" in again:
+        res["decode_timing"] = [res["decode_timing"], again["decode_timing"]]
 
 
 def _say(bar: Progress, label: str, res: dict, partial: Path | None = None, results: dict | None = None) -> None:
@@ -347,8 +388,8 @@ def _say(bar: Progress, label: str, res: dict, partial: Path | None = None, resu
         lat = res["latency"]
         parts.insert(0, f"TTFT {lat['ttft_ms']['median']:.0f} ms, TPOT {lat['tpot_ms']['median']:.0f} ms (median)")
     timing = res.get("decode_timing")
-    if timing is not None and timing.tpot:
-        parts.append(f"batch-1 decode {1 / timing.tpot:.1f} tok/s")
+    if timing is not None and decode_metrics(timing)["decode_tokens_per_s"]:
+        parts.append(f"batch-1 decode {decode_metrics(timing)['decode_tokens_per_s']:.1f} tok/s")
     bar.console.print(f"{label}: " + ", ".join(parts), markup=False, highlight=False)
     if partial is not None and results is not None:  # a run killed later still leaves what it measured
         partial.write_text(json.dumps({"partial": True, "systems": results}, indent=2, default=str) + "\n")

@@ -113,13 +113,40 @@ def throughput_metrics(num_requests: int, prompt_tokens: int, output_tokens: int
     }
 
 
-def decode_metrics(timing: RequestTiming) -> dict:
-    """A batch-1 decode run: tokens/s after the first token (1 / TPOT)."""
-    tpot = timing.tpot
-    return {
-        "prompt_len": timing.prompt_len,
-        "output_tokens": timing.output_len,
-        "ttft_ms": timing.ttft * 1000.0,
+def decode_metrics(timing: RequestTiming | list[RequestTiming]) -> dict:
+    """A batch-1 decode run: tokens/s after the first token (1 / TPOT).
+
+    Several runs of the same request count as one: their decode tokens over their decode time, and
+    the mean TTFT.
+    """
+    runs = timing if isinstance(timing, list) else [timing]
+    tokens = sum(t.output_len - 1 for t in runs if t.output_len > 1)
+    seconds = sum(t.e2el - t.ttft for t in runs if t.output_len > 1)
+    tpot = seconds / tokens if tokens and seconds > 0 else None
+    out = {
+        "prompt_len": runs[0].prompt_len,
+        "output_tokens": runs[0].output_len,
+        "ttft_ms": 1000.0 * sum(t.ttft for t in runs) / len(runs),
         "tpot_ms": (tpot or 0.0) * 1000.0,
         "decode_tokens_per_s": 1.0 / tpot if tpot else 0.0,
     }
+    if len(runs) > 1:
+        out["runs_decode_tokens_per_s"] = [1.0 / t.tpot if t.tpot else 0.0 for t in runs]
+    return out
+
+
+def combine_throughput(runs: list[dict]) -> dict:
+    """Timed runs of one workload reported as one: the rates are total tokens over total time, the
+    counts and the elapsed time are per run (their mean). Each run's figures stay under "runs", so a
+    drift between them is visible."""
+    def total(key):
+        return sum(r[key] for r in runs)
+
+    out = throughput_metrics(total("num_requests"), total("prompt_tokens"), total("output_tokens"), total("elapsed_s"))
+    for key in ("num_requests", "prompt_tokens", "output_tokens", "elapsed_s"):
+        mean = total(key) / len(runs)
+        out[key] = int(mean) if key != "elapsed_s" and mean == int(mean) else mean
+    if any("compile_in_run_s" in r for r in runs):
+        out["compile_in_run_s"] = sum(r.get("compile_in_run_s", 0.0) for r in runs)
+    out["runs"] = runs
+    return out

@@ -18,7 +18,10 @@ import torch
 from typer.testing import CliRunner
 
 from cli.bench import bench_app
-from cli.bench_metrics import RequestTiming, decode_metrics, latency_metrics, summarize, throughput_metrics
+from cli.bench import _merge_rounds
+from cli.bench_metrics import (
+    RequestTiming, combine_throughput, decode_metrics, latency_metrics, summarize, throughput_metrics,
+)
 from cli.bench_model import shape_config_only
 from cli.bench_report import HIGHER, LOWER, build_rows, render_table, report_json
 from cli.bench_roofline import best_of_probes, decode_bytes_per_token, layer_linear_params, request_flops
@@ -115,6 +118,37 @@ def test_throughput_and_decode_metrics():
     d = decode_metrics(timing(0.0, [(0.5, 1)] + [(0.5 + 0.02 * k, 1) for k in range(1, 11)], prompt_len=32))
     assert d["decode_tokens_per_s"] == pytest.approx(50.0)
     assert d["tpot_ms"] == pytest.approx(20.0) and d["ttft_ms"] == pytest.approx(500.0)
+
+
+def test_two_runs_combine_as_total_tokens_over_total_time():
+    """--bracket: our runs before and after the peers count as one (rates from the totals, so a slow
+    minute weighs by its length), with each run kept."""
+    a, b = throughput_metrics(8, 400, 200, 4.0), throughput_metrics(8, 400, 200, 6.0)
+    a["compile_in_run_s"], b["compile_in_run_s"] = 0.0, 0.5
+    m = combine_throughput([a, b])
+    assert m["output_tokens_per_s"] == pytest.approx(400 / 10.0) and m["requests_per_s"] == pytest.approx(16 / 10.0)
+    assert m["total_tokens_per_s"] == pytest.approx(1200 / 10.0)
+    assert m["num_requests"] == 8 and m["output_tokens"] == 200 and m["elapsed_s"] == pytest.approx(5.0)
+    assert m["compile_in_run_s"] == 0.5 and m["runs"] == [a, b]
+    fast = timing(0.0, [(0.5, 1)] + [(0.5 + 0.02 * k, 1) for k in range(1, 11)])  # 10 tokens in 0.2 s
+    slow = timing(0.0, [(0.7, 1)] + [(0.7 + 0.03 * k, 1) for k in range(1, 11)])  # 10 tokens in 0.3 s
+    d = decode_metrics([fast, slow])
+    assert d["decode_tokens_per_s"] == pytest.approx(20 / 0.5) and d["ttft_ms"] == pytest.approx(600.0)
+    assert d["runs_decode_tokens_per_s"] == pytest.approx([50.0, 100 / 3])
+    assert d["output_tokens"] == 11
+
+
+def test_two_latency_runs_pool_their_requests():
+    first = [timing(0.0, [(0.1, 1), (0.2, 1)]), timing(0.0, [(0.3, 1), (0.4, 1)])]
+    second = [timing(5.0, [(5.2, 1), (5.4, 1)])]
+    res = {"latency": latency_metrics(first, 1.0), "decode_timing": first[0]}
+    again = {"latency": latency_metrics(second, 2.0), "decode_timing": second[0]}
+    _merge_rounds("latency", res, again, 4, ((first, 1.0), (second, 2.0)))
+    lat = res["latency"]
+    assert lat["completed"] == 3 and lat["duration_s"] == 3.0 and lat["concurrency"] == 4
+    assert lat["ttft_ms"]["mean"] == pytest.approx(1000 * (0.1 + 0.3 + 0.2) / 3)
+    assert [r["duration_s"] for r in lat["runs"]] == [1.0, 2.0]
+    assert res["decode_timing"] == [first[0], second[0]]
 
 
 def test_timing_json_round_trip():
@@ -326,6 +360,10 @@ def test_throughput_end_to_end_with_hf_peer(tiny, tmp_path):
     workload = random_workload(3, (4, 9), (2, 5), VOCAB, seed=7)
     want_out = sum(r.output_len for r in workload)
     ours, hf = doc["systems"]["toolkit (eager)"], doc["systems"]["transformers"]
+    # --bracket (on with a peer): ours was timed before and after transformers, same workload both times.
+    assert doc["settings"]["bracket"] is True and "before and after the peers" in result.output
+    assert [run["output_tokens"] for run in ours["throughput"]["runs"]] == [want_out, want_out]
+    assert len(ours["decode"]["runs_decode_tokens_per_s"]) == 2 and "runs" not in hf["throughput"]
     # Both systems are credited with exactly the requested tokens; transformers' batch waste is separate.
     assert ours["throughput"]["output_tokens"] == hf["throughput"]["output_tokens"] == want_out
     assert hf["throughput"]["generated_tokens"] >= want_out

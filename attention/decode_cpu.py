@@ -6,7 +6,7 @@ traced version (decode_torch.py) on a 64-request decode (see docs/benchmarks.md)
 
 Building: the C++ file is plain C++ with no torch headers, so it compiles in about a second with the
 C++ compiler that torch.compile already needs (`$CXX`, else `c++`). The shared library is cached under
-`$TOOLKIT_CACHE_DIR` (default `~/.cache/toolkit`), keyed by the source, the flags, the compiler and
+`$TOOLKIT_CACHE/kernels` (default `~/.cache/toolkit/kernels`), keyed by the source, the flags, the compiler and
 this CPU's feature flags (it is built with -march=native). It is loaded after torch, so its OpenMP
 calls use torch's OpenMP runtime and thread count. Set `TOOLKIT_CPU_DECODE_KERNEL=0` to turn it off;
 where it cannot be built, callers fall back to the torch paths with one warning.
@@ -35,8 +35,8 @@ DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TOOLKIT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "toolkit"
-    return Path(root) / "kernels"
+    # The toolkit's one cache root, as for the CLI's default model (cli/default_model.py).
+    return Path(os.environ.get("TOOLKIT_CACHE") or Path.home() / ".cache" / "toolkit") / "kernels"
 
 
 def _cpu_flags() -> str:

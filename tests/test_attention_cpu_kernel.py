@@ -91,7 +91,7 @@ def test_compiled_decode_only_step(kernel, monkeypatch):
 
 
 def test_build_is_cached_per_source_and_reports_a_missing_compiler(tmp_path, monkeypatch):
-    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     first = decode_cpu.build()
     assert first.parent == tmp_path / "kernels" and first.exists()
     mtime = first.stat().st_mtime_ns

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 
@@ -46,3 +47,21 @@ def test_inductor_compiled_matches_transformers_and_eager(ckpt):
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.runner.compile_seconds > 0
+
+
+def test_inductor_cache_goes_under_the_toolkit_cache_unless_the_user_chose_one(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from toolkit.runner import _use_persistent_inductor_cache
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    for before in (None, default_cache_dir()):  # unset, or filled in by torch._dynamo's import
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        _use_persistent_inductor_cache()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    _use_persistent_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

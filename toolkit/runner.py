@@ -7,9 +7,11 @@ loops). Each decoder layer is `torch.compile`d with `fullgraph=True` unless `enf
   block-table width, and T is padded to at least MIN_BUCKET, so a long run with varied batches
   compiles a handful of graphs (dynamo specializes sizes 0 and 1) instead of one per step.
 - When: lazily, on the first step that needs a new graph; each compile is logged with its time.
-  Inductor's on-disk caches (FX graph and AOTAutograd caches, under ~/.cache/toolkit/inductor unless
-  TORCHINDUCTOR_CACHE_DIR is set) make a second start of the same model and shapes fast.
-- Decode-only steps get a graph of their own: there the torch backend traces decode attention
+  Inductor's on-disk caches (FX graph and AOTAutograd caches, under $TOOLKIT_CACHE/inductor, default
+  ~/.cache/toolkit/inductor, unless TORCHINDUCTOR_CACHE_DIR is set) make a second start of the same
+  model and shapes fast.
+- Decode-only steps get a graph of their own: there the torch backend calls the CPU decode kernel
+  (`attention/decode_cpu.py`, built before the first trace) or, off CPU, traces decode attention
   into the graph (`attention/decode_torch.py`) instead of calling the opaque reference op.
 - CUDA: decode-only steps replay CUDA graphs captured per batch bucket (`toolkit.cuda_graphs`).
 """
@@ -111,7 +113,7 @@ class ModelRunner:
         if enforce_eager:
             self.forward = self.model
         else:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/toolkit/inductor"))
+            _use_persistent_inductor_cache()
             # Regional compilation: the decoder layer is compiled, not the whole model. The layers share
             # one code object and their weights are graph inputs, so one graph serves all of them: a
             # 12-layer model compiles 1/12 of the code (cold start-up 50+60 s -> 22+12 s for the 125M
@@ -231,6 +233,19 @@ class ModelRunner:
             self.compile_seconds += seconds
             log.info("compiled a graph for %d packed tokens in %.1f s (first run included)", inputs.input_ids.shape[0], seconds)
         return logits
+
+
+def _use_persistent_inductor_cache() -> None:
+    """Point Inductor's on-disk caches at $TOOLKIT_CACHE/inductor (default ~/.cache/toolkit/inductor),
+    which outlives a reboot, unless the user chose a directory. Importing torch._dynamo (which
+    something may have done already) fills the variable with torch's default under /tmp, so a
+    value equal to that default counts as unset; Inductor reads the variable on every lookup."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        root = os.environ.get("TOOLKIT_CACHE") or os.path.expanduser("~/.cache/toolkit")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
 
 
 def _check_block_ids(block_tables: np.ndarray, num_blocks: int) -> None:

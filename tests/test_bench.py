@@ -385,6 +385,19 @@ def test_latency_end_to_end(tiny, tmp_path):
     assert lat["ttft_ms"]["mean"] > 0 and lat["e2el_ms"]["p99"] >= lat["ttft_ms"]["p99"]
 
 
+def test_latency_with_a_peer_brackets_our_runs(tiny, tmp_path):
+    report = tmp_path / "lat.json"
+    result = bench("latency", "--model", tiny, "-n", 3, "--input-len", 4, 6, "--output-len", 2, 4, "-c", 2,
+                   "--peer", "hf", "--decode-tokens", 3, "--json", report, *QUICK)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(report.read_text())
+    lat = doc["systems"]["toolkit (eager)"]["latency"]
+    want = sum(r.output_len for r in random_workload(3, (4, 6), (2, 4), VOCAB, seed=0))
+    assert lat["completed"] == 6 and lat["output_tokens"] == 2 * want  # both runs' requests, pooled
+    assert [run["output_tokens_per_s"] > 0 for run in lat["runs"]] == [True, True]
+    assert doc["systems"]["transformers"]["latency"]["completed"] == 3
+
+
 def test_cli_errors(tiny):
     r = CliRunner().invoke(bench_app, ["throughput", "--model", str(tiny), "--peer", "nope", "--no-progress"])
     assert r.exit_code == 2 and "unknown --peer" in r.output

@@ -36,7 +36,8 @@ DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"
 
 
 def cache_dir() -> Path:
-    # The toolkit's one cache root, as for the CLI's default model (cli/default_model.py).
+    # toolkit.paths.cache_root(), read here directly: importing the toolkit package from attention/
+    # would import the whole engine.
     return Path(os.environ.get("TOOLKIT_CACHE") or Path.home() / ".cache" / "toolkit") / "kernels"
 
 

@@ -300,8 +300,8 @@ def _run(command: str, o: dict) -> None:
             res["roofline"] = {"useful_flops": flops, "gflops_per_s": flops / elapsed / 1e9,
                                "peak_fraction_pct": 100 * flops / elapsed / peak["flops_per_s"]}
         timing = res.pop("decode_timing", None)
-        if timing is not None and decode_metrics(timing)["decode_tokens_per_s"]:
-            d = decode_metrics(timing)
+        d = decode_metrics(timing) if timing is not None else None
+        if d is not None and d["decode_tokens_per_s"]:
             context = d["prompt_len"] + d["output_tokens"] / 2  # mean context over the decode steps
             per_token = decode_bytes_per_token(mc, dtype_bytes(dtype), context)
             d["bytes_per_token"] = per_token
@@ -388,8 +388,9 @@ def _say(bar: Progress, label: str, res: dict, partial: Path | None = None, resu
         lat = res["latency"]
         parts.insert(0, f"TTFT {lat['ttft_ms']['median']:.0f} ms, TPOT {lat['tpot_ms']['median']:.0f} ms (median)")
     timing = res.get("decode_timing")
-    if timing is not None and decode_metrics(timing)["decode_tokens_per_s"]:
-        parts.append(f"batch-1 decode {decode_metrics(timing)['decode_tokens_per_s']:.1f} tok/s")
+    rate = decode_metrics(timing)["decode_tokens_per_s"] if timing is not None else 0.0
+    if rate:
+        parts.append(f"batch-1 decode {rate:.1f} tok/s")
     bar.console.print(f"{label}: " + ", ".join(parts), markup=False, highlight=False)
     if partial is not None and results is not None:  # a run killed later still leaves what it measured
         partial.write_text(json.dumps({"partial": True, "systems": results}, indent=2, default=str) + "\n")

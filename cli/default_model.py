@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from cli.errors import CliError
+from toolkit.paths import cache_root
 from toolkit.weights import checkpoint_files
 
 TRAINED_MODEL = Path(__file__).resolve().parent.parent / "toolkit" / "default_model" / "target"
@@ -20,16 +21,12 @@ RANDOM_MODEL_NAME = "default-random"
 HELP_MODEL = "expected a Hugging Face model folder with config.json, *.safetensors and tokenizer files"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("TOOLKIT_CACHE") or Path.home() / ".cache" / "toolkit")
-
-
 def resolve_model(model: Path | None, warn) -> Path:
     """The model folder to load, checked enough to fail in one line rather than deep in loading."""
     if model is None:
         if (TRAINED_MODEL / "config.json").is_file():
             return TRAINED_MODEL
-        path = ensure_random_model(cache_dir() / RANDOM_MODEL_NAME)
+        path = ensure_random_model(cache_root() / RANDOM_MODEL_NAME)
         warn(f"no trained default model at {TRAINED_MODEL}; using a seeded RANDOM tiny Llama at {path} "
              "(its text is gibberish). Pass --model PATH for real output.")
         return path

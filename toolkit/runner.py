@@ -34,6 +34,7 @@ from parallel import processes_per_device
 from toolkit.config import ModelConfig
 from toolkit.cuda_graphs import DecodeGraphs
 from toolkit.packed_linear import pack_linears, packing_supported
+from toolkit.paths import cache_root
 from toolkit.weights import load_model
 
 log = logging.getLogger("toolkit")
@@ -244,8 +245,7 @@ def _use_persistent_inductor_cache() -> None:
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        root = os.environ.get("TOOLKIT_CACHE") or os.path.expanduser("~/.cache/toolkit")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
 
 
 def _check_block_ids(block_tables: np.ndarray, num_blocks: int) -> None:

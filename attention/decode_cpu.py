@@ -128,6 +128,8 @@ def _paged_decode_cpu(q, kv_cache, seq_lens, block_tables, scale):
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if not (kv_cache.is_contiguous() and kv_cache.dtype in DTYPES):
         raise ValueError(f"kv_cache must be a contiguous {' or '.join(map(str, DTYPES))} tensor")
+    if head_dim % 8 or block_size % 8:  # the kernel reads whole 8-float vectors and 8-row score tiles
+        raise ValueError(f"head_dim {head_dim} and block_size {block_size} must be multiples of 8")
     q32 = q.contiguous().float()
     lens = seq_lens.to(torch.int32).contiguous()
     tables = block_tables.to(torch.int32).contiguous()

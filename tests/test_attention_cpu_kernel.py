@@ -64,6 +64,10 @@ def test_bad_block_ids_and_lengths_raise_instead_of_reading_out_of_bounds():
     too_long = torch.tensor([10, width * 16 + 1], dtype=torch.int32)
     with pytest.raises(IndexError, match="past their block table"):
         decode_cpu.paged_decode_cpu(batch.q, batch.kv_cache, too_long, m.block_tables, batch.scale)
+    odd = make_batch([(9, 1)], block_size=12, num_heads=4, num_kv_heads=2, head_dim=64)
+    assert not decode_cpu.supports(odd.q, odd.kv_cache)  # paged_attention takes the torch path for it
+    with pytest.raises(ValueError, match="multiples of 8"):
+        decode_cpu.paged_decode_cpu(odd.q, odd.kv_cache, odd.metadata.seq_lens, odd.metadata.block_tables, odd.scale)
 
 
 @pytest.mark.parametrize("kernel", [True, False])

@@ -5,71 +5,30 @@ row's blocks once with an online softmax. On a 64-request decode it measured ~2x
 Inductor's code for the traced version (decode_torch.py) in isolation, and 2.85 -> 2.07 ms per layer
 inside a step (see docs/benchmarks.md).
 
-Building: the C++ file is plain C++ with no torch headers, so it compiles in about a second with the
-C++ compiler that torch.compile already needs (`$CXX`, else `c++`). The shared library is cached
-under `$TOOLKIT_CACHE/kernels` (default `~/.cache/toolkit/kernels`), keyed by the source, the flags,
-the compiler and this CPU's feature flags (it is built with -march=native). It is loaded after torch, so its OpenMP
-calls use torch's OpenMP runtime and thread count. Set `TOOLKIT_CPU_DECODE_KERNEL=0` to turn it off;
-where it cannot be built, callers fall back to the torch paths with one warning.
+Building: `attention/cpp_build.py` compiles it on first use and caches the library. Set
+`TOOLKIT_CPU_DECODE_KERNEL=0` to turn it off; where it cannot be built, callers fall back to the
+torch paths with one warning.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
+from attention import cpp_build
+
 SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
-# Linked in a second step without -ffast-math: gcc links crtfastmath.o into a -ffast-math shared
-# library, and loading it would switch the whole process to flush-to-zero floats.
-LINK_FLAGS = ("-shared", "-fopenmp")
 DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
-
-
-def cache_dir() -> Path:
-    # toolkit.paths.cache_root(), read here directly: importing the toolkit package from attention/
-    # would import the whole engine.
-    return Path(os.environ.get("TOOLKIT_CACHE") or Path.home() / ".cache" / "toolkit") / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
 
 
 def build(compiler: str | None = None) -> Path:
     """Compile the kernel (or find it already compiled) and return the shared library's path."""
-    compiler = compiler or os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set CXX)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = "\0".join([SOURCE.read_text(), *FLAGS, *LINK_FLAGS, version, _cpu_flags()])
-    key = hashlib.sha256(key.encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode_cpu-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes (torchrun ranks) never load half a file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = os.path.join(tmp, "kernel.o"), os.path.join(tmp, "kernel.so")
-        for command in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", obj], [compiler, *LINK_FLAGS, obj, "-o", lib]):
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(command)}):\n{done.stderr.strip()}")
-        os.replace(lib, target)
-    return target
+    return cpp_build.build(SOURCE, compiler)
 
 
 @functools.cache

@@ -9,13 +9,16 @@ bypasses its compile caches (every start would recompile for minutes), so it is 
 
 The packed weight is an opaque oneDNN tensor that Inductor cannot lower as a graph input, so the
 matmul is a custom op: compiled graphs call it as an extern kernel, like any other matmul.
-The model code is untouched: `pack_linears` swaps each `nn.Linear` for a `PackedLinear`.
+The model code is untouched: `pack_linears` swaps each `nn.Linear` for a packed module: the panel
+kernel's (toolkit/linear_cpu.py), which measured faster still, where it is built; oneDNN's otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from toolkit import linear_cpu
 
 
 # Defined with the low-level torch.library API, not `custom_op`: a decode step calls it 85 times and
@@ -56,7 +59,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN on CPU, in a dtype it computes natively here (bf16 only where the CPU has bf16 units)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
@@ -65,8 +68,14 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `pack_linears` has a fast kernel for this device and dtype."""
+    return device.type == "cpu" and linear_cpu.available(dtype) or onednn_supported(device, dtype)
+
+
 def pack_linears(model: nn.Module, batch_hint: int) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear; returns how many were packed.
+    """Replace every nn.Linear in `model` by a PanelLinear (or, without the panel kernel, a oneDNN
+    PackedLinear); returns how many were packed.
 
     A Linear whose weight is shared with another module (a tied lm_head) is packed as a copy; the
     embedding keeps the original. Untied weights are released, so resident memory stays one copy.
@@ -74,5 +83,6 @@ def pack_linears(model: nn.Module, batch_hint: int) -> int:
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, nn.Linear)]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, batch_hint))
+        panels = linear_cpu.available(child.weight.dtype)
+        setattr(parent, name, linear_cpu.PanelLinear(child) if panels else PackedLinear(child, batch_hint))
     return len(swaps)

@@ -1,0 +1,60 @@
+"""Builds the project's plain C++ CPU kernels and caches the shared libraries.
+
+Two kernels use it: decode attention (`attention/paged_decode_cpu.cpp`) and the panel linear
+(`toolkit/linear_cpu.cpp`). They have no torch headers, so each compiles in about a second with
+the C++ compiler that torch.compile already needs (`$CXX`, else `c++`). A library is cached under
+`$TOOLKIT_CACHE/kernels` (default `~/.cache/toolkit/kernels`), keyed by the source, the flags, the
+compiler and this CPU's feature flags (it is built with -march=native). Loaded after torch, its
+OpenMP calls use torch's OpenMP runtime and thread count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# Linked in a second step without -ffast-math: gcc links crtfastmath.o into a -ffast-math shared
+# library, and loading it would switch the whole process to flush-to-zero floats.
+LINK_FLAGS = ("-shared", "-fopenmp")
+
+
+def cache_dir() -> Path:
+    # toolkit.paths.cache_root(), read here directly: importing the toolkit package from attention/
+    # would import the whole engine.
+    return Path(os.environ.get("TOOLKIT_CACHE") or Path.home() / ".cache" / "toolkit") / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def build(source: Path, compiler: str | None = None) -> Path:
+    """Compile `source` (or find it already compiled) and return the shared library's path."""
+    compiler = compiler or os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set CXX)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = "\0".join([source.read_text(), *FLAGS, *LINK_FLAGS, version, _cpu_flags()])
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes (torchrun ranks) never load half a file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = os.path.join(tmp, "kernel.o"), os.path.join(tmp, "kernel.so")
+        for command in ([compiler, *FLAGS, "-c", str(source), "-o", obj], [compiler, *LINK_FLAGS, obj, "-o", lib]):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"building {source.name} failed ({' '.join(command)}):\n{done.stderr.strip()}")
+        os.replace(lib, target)
+    return target

@@ -1,0 +1,115 @@
+"""The CPU panel linear (toolkit/linear_cpu.py) against float64 matmuls, eager and compiled."""
+
+import pytest
+import torch
+
+from toolkit import linear_cpu
+from toolkit.linear_cpu import PanelLinear
+
+pytestmark = pytest.mark.skipif(not linear_cpu.available(torch.float32), reason="no C++ compiler for the kernel")
+
+
+def _reference(x, linear):
+    out = x.double() @ linear.weight.double().T
+    return out if linear.bias is None else out + linear.bias.double()
+
+
+# N not a multiple of 16 (a zero-padded last panel), K of 1 and odd, and every row-tile remainder
+# (M mod 6) including the interleaved partial sums of 1-3 rows, plus more rows than one pass (192).
+@pytest.mark.parametrize("n,k", [(1, 1), (16, 5), (33, 768), (250, 129)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_matches_float64(n, k, bias):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    linear = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            linear.bias.copy_(torch.randn(n, generator=g))
+    packed = PanelLinear(linear)
+    for m in (1, 2, 3, 4, 5, 6, 7, 13, 193, 400):
+        x = torch.randn(m, k, generator=g)
+        out = packed(x)
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        torch.testing.assert_close(out.double(), _reference(x, linear), atol=1e-4 * k**0.5, rtol=1e-5)
+
+
+def test_bfloat16_weights_and_activations():
+    g = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(300, 70, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(70, 300, generator=g))
+    packed = PanelLinear(linear)
+    assert packed.panels.dtype == torch.bfloat16 and packed.panels.shape == (5, 300, 16)
+    for m in (1, 2, 7, 64):
+        x = torch.randn(m, 300, generator=g).to(torch.bfloat16)
+        out = packed(x)
+        assert out.dtype == torch.bfloat16
+        # float32 accumulation of exact products, one rounding to bf16 at the end: what torch computes in
+        # float32 and rounds, up to the float32 summation order (1 bf16 ulp at most).
+        expected = _reference(x, linear).float().to(torch.bfloat16)
+        torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
+        # A float32 x against bf16 weights: products of the same values, float32 out.
+        out32 = packed(x.float())
+        assert out32.dtype == torch.float32
+        torch.testing.assert_close(out32.double(), _reference(x, linear), atol=1e-3, rtol=1e-5)
+
+
+def test_bfloat16_output_rounds_like_torch():
+    # Float32 weights, a bf16 x of 1: each output is one float32 product, rounded to bf16 by the kernel.
+    # Halfway cases go to even (1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6), as torch rounds.
+    g = torch.Generator().manual_seed(2)
+    columns = torch.cat([torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-9, 3e38, 1e-40]),
+                         torch.randn(58, generator=g)])
+    linear = torch.nn.Linear(1, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(columns[:, None])
+    packed = PanelLinear(linear)
+    out = packed(torch.ones(1, 1, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out[0], columns.to(torch.bfloat16))
+    assert out[0, :2].tolist() == [1.0, 1 + 2**-6]
+
+
+def test_bfloat16_nan_and_inf_pass_through():
+    linear = torch.nn.Linear(1, 4, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.fill_(1.0)
+    packed = PanelLinear(linear)
+    for special in (float("nan"), float("inf"), -float("inf")):
+        out = packed(torch.tensor([[special]], dtype=torch.bfloat16))
+        torch.testing.assert_close(out.float(), torch.full((1, 4), special), equal_nan=True)
+
+
+def test_strided_input_and_compiled_graph():
+    linear = torch.nn.Linear(64, 48, bias=False)
+    packed = PanelLinear(linear)
+    x = torch.randn(10, 128)[:, ::2]  # inner stride 2: copied to contiguous rows
+    torch.testing.assert_close(packed(x).double(), _reference(x, linear), atol=1e-4, rtol=1e-5)
+    rows = torch.randn(10, 128)[:, :64]  # row stride 128: read in place
+    torch.testing.assert_close(packed(rows).double(), _reference(rows, linear), atol=1e-4, rtol=1e-5)
+    compiled = torch.compile(lambda x: packed(x) * 2.0, fullgraph=True, dynamic=True)
+    for m in (3, 9):
+        x = torch.randn(m, 64)
+        torch.testing.assert_close(compiled(x), packed(x) * 2.0)
+
+
+def test_bad_shapes_raise():
+    packed = PanelLinear(torch.nn.Linear(32, 20))
+    with pytest.raises(ValueError, match="does not match panels"):
+        packed(torch.randn(4, 31))
+    with pytest.raises(ValueError, match="out_features"):
+        torch.ops.toolkit.linear_cpu.default(torch.randn(4, 32), packed.panels, 33, None)
+    with pytest.raises(ValueError, match="2-d float32 or bfloat16"):
+        linear_cpu.pack(torch.randn(4, 4, dtype=torch.float16))
+
+
+def test_missing_compiler_warns_and_reports_unavailable(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    linear_cpu._library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="CPU linear kernel unavailable"):
+            assert not linear_cpu.available(torch.float32)
+    finally:
+        monkeypatch.undo()
+        linear_cpu._library.cache_clear()
+    assert linear_cpu.available(torch.float32)

@@ -25,7 +25,7 @@ from cli.bench_metrics import combine_throughput, decode_metrics, latency_metric
 from cli.bench_model import SHAPES, resolve_model
 from cli.bench_report import build_rows, render_table, report_json
 from cli.bench_roofline import (
-    best_of_probes, decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
+    best_of_probes, compute_peak, decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
     workload_flops,
 )
 from cli.bench_systems import BenchError, HFSystem, OursSystem, VLLMSystem, python_of
@@ -294,11 +294,12 @@ def _run(command: str, o: dict) -> None:
     peak = best_of_probes(peak, matmul_peak(dtype, n=o["peak_matmul_size"]))
     bandwidth = best_of_probes(bandwidth, memory_bandwidth(o["bandwidth_mib"] * 2**20))
     flops = workload_flops(mc, requests)
+    roof = compute_peak(peak, other_peak)
     for res in results.values():
         elapsed = _get(res, "throughput", "elapsed_s") or _get(res, "latency", "duration_s")
         if elapsed:
             res["roofline"] = {"useful_flops": flops, "gflops_per_s": flops / elapsed / 1e9,
-                               "peak_fraction_pct": 100 * flops / elapsed / peak["flops_per_s"]}
+                               "peak_fraction_pct": 100 * flops / elapsed / roof["flops_per_s"]}
         timing = res.pop("decode_timing", None)
         d = decode_metrics(timing) if timing is not None else None
         if d is not None and d["decode_tokens_per_s"]:
@@ -319,13 +320,15 @@ def _run(command: str, o: dict) -> None:
                 "max_num_batched_tokens": o["max_num_batched_tokens"], "hf_batch_size": o.get("hf_batch_size"),
                 "concurrency": concurrency or None, "decode_tokens": o["decode_tokens"], "vllm_eager": o["vllm_eager"],
                 "bracket": bracket}
-    roofline = {"matmul": peak, "matmul_other_dtype": other_peak, "bandwidth": bandwidth,
+    roofline = {"matmul": peak, "matmul_other_dtype": other_peak, "compute_peak": roof, "bandwidth": bandwidth,
                 "flops_formula": "per request (P prompt, O output, T=P+O-1 tokens fed): 2*T*P_layers "
                                  "+ 4*L*Hq*D*T(T+1)/2 + 2*O*V*H",
                 "decode_bytes_formula": "(num_parameters - V*H if untied) * dtype_bytes + 2*L*Hkv*D*dtype_bytes*context"}
     caption = (f"{machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']} ({machine['torch_threads']} threads), "
                f"transformers {machine['transformers']}; matmul peak {peak['flops_per_s'] / 1e9:.1f} GFLOP/s {dtype_name} "
-               f"({other_peak['flops_per_s'] / 1e9:.1f} {other_peak['dtype']}), "
+               f"({other_peak['flops_per_s'] / 1e9:.1f} {other_peak['dtype']}"
+               + (f"; the roofline is {roof['flops_per_s'] / 1e9:.1f}, from {roof['dtype']}" if roof is not peak else "")
+               + "), "
                f"read bandwidth {bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s; model {mc.num_parameters:,} params "
                f"{dtype_name}; {len(requests)} requests, {workload['prompt_tokens']} prompt + {workload['output_tokens']} "
                f"output tokens" + (f"; concurrency {concurrency}" if command == "latency" else "")

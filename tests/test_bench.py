@@ -24,7 +24,7 @@ from cli.bench_metrics import (
 )
 from cli.bench_model import shape_config_only
 from cli.bench_report import HIGHER, LOWER, build_rows, render_table, report_json
-from cli.bench_roofline import best_of_probes, decode_bytes_per_token, layer_linear_params, request_flops
+from cli.bench_roofline import best_of_probes, compute_peak, decode_bytes_per_token, layer_linear_params, request_flops
 from cli.bench_systems import BenchError, VLLMSystem, python_of
 from cli.bench_workload import BenchRequest, hf_batches, load_dataset, random_workload, workload_summary
 from tests.checkpoints import VOCAB, write_checkpoint
@@ -406,6 +406,15 @@ def test_cli_errors(tiny):
     assert r.exit_code == 2 and "--peer-python" in r.output
     r = CliRunner().invoke(bench_app, ["throughput", "--no-progress"])
     assert r.exit_code == 2 and "--model" in r.output
+
+
+def test_bf16_roofline_is_float32_where_that_is_faster():
+    bf16 = {"dtype": "bfloat16", "flops_per_s": 20e9}
+    fp32 = {"dtype": "float32", "flops_per_s": 150e9}
+    assert compute_peak(bf16, fp32) is fp32  # emulated bf16 (AVX2): float32 FMAs are the machine's peak
+    native = {"dtype": "bfloat16", "flops_per_s": 400e9}
+    assert compute_peak(native, fp32) is native  # bf16 units (AMX, AVX-512 BF16)
+    assert compute_peak(fp32, bf16) is fp32  # a float32 model keeps its own peak
 
 
 def test_roofline_is_the_best_of_the_probes_before_and_after():

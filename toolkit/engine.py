@@ -58,7 +58,7 @@ class EngineConfig:
     load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
     compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
     cuda_graphs: bool = True  # on CUDA with the Triton backend, replay captured graphs for decode-only steps
-    # On CPU, keep linear weights in oneDNN's packed layout where the dtype is native (toolkit/packed_linear.py);
+    # On CPU, repack linear weights once for the panel kernel (or oneDNN) (toolkit/packed_linear.py);
     # tensor-parallel ranks keep plain DTensor weights.
     prepack_weights: bool = True
 
@@ -113,8 +113,8 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, mc.checkpoint_dtype)
         if self.device.type == "cpu" and self.dtype != torch.float32 and not packing_supported(self.device, self.dtype):
             log.warning(
-                "%s on a CPU without native %s units (no AVX-512 BF16/AMX here): matmuls run emulated, several "
-                "times slower than float32; dtype='float32' is the fast choice on this host", self.dtype, self.dtype)
+                "%s on a CPU without native %s units (no AVX-512 BF16/AMX here) and without the panel linear kernel "
+                "(toolkit/linear_cpu.py): matmuls run emulated, several times slower than float32", self.dtype, self.dtype)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(

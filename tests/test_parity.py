@@ -33,10 +33,10 @@ def family_case(request, tmp_path_factory):
     return family, path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
 
 
-def make_llm(family: str, path, *, kv_blocks: int | None = None, **kwargs) -> LLM:
+def make_llm(family: str, path, *, kv_blocks: int | None = None, dtype: str = "float32", **kwargs) -> LLM:
     if kv_blocks is not None:
         kwargs["kv_cache_memory_bytes"] = kv_blocks * 16 * BYTES_PER_TOKEN.get(family, 512)
-    return LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16, **kwargs)
+    return LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=128, block_size=16, **kwargs)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -71,6 +71,27 @@ def test_prefill_logits_match_transformers(family_case):
         with torch.no_grad():
             theirs = hf(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_bf16_prefill_logits_are_as_close_as_transformers_bf16(family_case):
+    """In bf16 there is no exact answer; the oracle is the float32 model. Our bf16 engine (on CPU the
+    panel linear kernel, bf16 weights widened to float32) must land as near it as transformers in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    family, path, prompts, _ = family_case
+    runner = make_llm(family, path, dtype="bfloat16").engine.runner
+    exact = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for prompt in prompts[:3]:
+        blocks = list(range((len(prompt) + 15) // 16))
+        inputs = runner.prepare([ScheduledRequest("r", prompt, 0, blocks, True)])
+        inputs.logits_indices = torch.arange(len(prompt))
+        ours = runner.execute(inputs).float()
+        with torch.no_grad():
+            truth = exact(torch.tensor([prompt])).logits[0]
+            theirs = hf16(torch.tensor([prompt])).logits[0].float()
+        ours_err, theirs_err = (ours - truth).abs().max().item(), (theirs - truth).abs().max().item()
+        assert ours_err <= 2 * theirs_err + 1e-3, f"{family}: bf16 error {ours_err:.4f}, transformers' {theirs_err:.4f}"
 
 
 def count_preemptions(llm: LLM) -> dict:

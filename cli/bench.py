@@ -292,6 +292,8 @@ def _run(command: str, o: dict) -> None:
 
     err.print("[dim]measuring the roofline again (the best of both readings is the roofline)...[/]")
     peak = best_of_probes(peak, matmul_peak(dtype, n=o["peak_matmul_size"]))
+    if other == torch.float32:  # it may be the roofline (compute_peak): the best of two readings, as the dtype's
+        other_peak = best_of_probes(other_peak, matmul_peak(other, n=o["peak_matmul_size"]))
     bandwidth = best_of_probes(bandwidth, memory_bandwidth(o["bandwidth_mib"] * 2**20))
     flops = workload_flops(mc, requests)
     roof = compute_peak(peak, other_peak)

@@ -426,3 +426,18 @@ def test_roofline_is_the_best_of_the_probes_before_and_after():
     bw = best_of_probes({"bytes": 8, "read_bytes_per_s": 26e9, "copy_bytes_per_s": 10e9},
                         {"bytes": 8, "read_bytes_per_s": 20e9, "copy_bytes_per_s": 12e9})
     assert bw["read_bytes_per_s"] == 26e9 and bw["copy_bytes_per_s"] == 12e9  # each rate's own best
+
+
+def test_bf16_run_takes_the_faster_dtype_probe_as_roofline(tiny, tmp_path):
+    report = tmp_path / "report.json"
+    quick = [a if a != "float32" else "bfloat16" for a in QUICK]
+    result = bench("throughput", "--model", tiny, "-n", 2, "--input-len", 4, 6, "--output-len", 2, 3,
+                   "--decode-tokens", 0, "--json", report, *quick)
+    assert result.exit_code == 0, result.output
+    roof = json.loads(report.read_text())["roofline"]
+    bf16, fp32 = roof["matmul"], roof["matmul_other_dtype"]
+    assert bf16["dtype"] == "bfloat16" and fp32["dtype"] == "float32"
+    assert len(bf16["flops_per_s_samples"]) == len(fp32["flops_per_s_samples"]) == 2  # probed before and after
+    assert roof["compute_peak"]["flops_per_s"] == max(bf16["flops_per_s"], fp32["flops_per_s"])
+    ours = json.loads(report.read_text())["systems"]["toolkit (eager)"]["roofline"]
+    assert ours["peak_fraction_pct"] == pytest.approx(100 * ours["gflops_per_s"] * 1e9 / roof["compute_peak"]["flops_per_s"])

@@ -10,11 +10,13 @@ OpenMP calls use torch's OpenMP runtime and thread count.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
@@ -58,3 +60,15 @@ def build(source: Path, compiler: str | None = None) -> Path:
                 raise RuntimeError(f"building {source.name} failed ({' '.join(command)}):\n{done.stderr.strip()}")
         os.replace(lib, target)
     return target
+
+
+def load(source: Path, switch: str, what: str, fallback: str) -> ctypes.CDLL | None:
+    """The kernel's library, built if need be; None where `$switch` is 0 or it cannot be built
+    (then one warning says that `fallback` is used instead)."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    try:
+        return ctypes.CDLL(str(build(source)))
+    except (OSError, RuntimeError) as err:
+        warnings.warn(f"{what} unavailable, using {fallback}: {err}", RuntimeWarning)
+        return None

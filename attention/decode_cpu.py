@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -33,12 +31,8 @@ def build(compiler: str | None = None) -> Path:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("TOOLKIT_CPU_DECODE_KERNEL", "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError) as err:
-        warnings.warn(f"CPU decode kernel unavailable, using the torch decode path: {err}", RuntimeWarning)
+    lib = cpp_build.load(SOURCE, "TOOLKIT_CPU_DECODE_KERNEL", "CPU decode kernel", "the torch decode path")
+    if lib is None:
         return None
     pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     for name in DTYPES.values():

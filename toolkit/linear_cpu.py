@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -30,12 +28,8 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("TOOLKIT_CPU_LINEAR_KERNEL", "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(cpp_build.build(SOURCE)))
-    except (OSError, RuntimeError) as err:
-        warnings.warn(f"CPU linear kernel unavailable, using oneDNN's: {err}", RuntimeWarning)
+    lib = cpp_build.load(SOURCE, "TOOLKIT_CPU_LINEAR_KERNEL", "CPU linear kernel", "oneDNN's")
+    if lib is None:
         return None
     pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for suffix in SUFFIX.values():

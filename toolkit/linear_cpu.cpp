@@ -19,7 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include <omp.h>
 
@@ -148,18 +148,19 @@ void pack(const W* w, int64_t N, int64_t K, W* panels) {
 template <typename W>
 void run(const void* x, int x_bf16, int64_t x_stride, const W* panels, const float* bias, void* out, int out_bf16,
          int64_t M, int64_t N, int64_t K) {
-    std::vector<float> widened;
+    std::unique_ptr<float[]> widened;  // not zero-filled: every element is written below
     const float* xf = static_cast<const float*>(x);
     if (x_bf16) {
-        widened.resize(M * K);
+        widened.reset(new float[M * K]);
         const uint16_t* xb = static_cast<const uint16_t*>(x);
-#pragma omp parallel for schedule(static)
+        // A decode step's few rows are not worth waking the other threads for.
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
         for (int64_t m = 0; m < M; ++m)
             for (int64_t k = 0; k < K; ++k) {
                 const uint32_t bits = uint32_t(xb[m * x_stride + k]) << 16;
                 std::memcpy(&widened[m * K + k], &bits, sizeof bits);
             }
-        xf = widened.data(), x_stride = K;
+        xf = widened.get(), x_stride = K;
     }
     if (out_bf16)
         linear(xf, x_stride, panels, bias, static_cast<uint16_t*>(out), M, N, K);

@@ -62,13 +62,17 @@ def build(source: Path, compiler: str | None = None) -> Path:
     return target
 
 
-def load(source: Path, switch: str, what: str, fallback: str) -> ctypes.CDLL | None:
-    """The kernel's library, built if need be; None where `$switch` is 0 or it cannot be built
-    (then one warning says that `fallback` is used instead)."""
+def load(source: Path, switch: str, what: str, fallback: str, signatures: dict) -> ctypes.CDLL | None:
+    """The kernel's library, built if need be, its functions typed from `signatures` (name ->
+    (argtypes, restype)); None where `$switch` is 0 or it cannot be built (then one warning says
+    that `fallback` is used instead)."""
     if os.environ.get(switch, "1") == "0":
         return None
     try:
-        return ctypes.CDLL(str(build(source)))
+        lib = ctypes.CDLL(str(build(source)))
     except (OSError, RuntimeError) as err:
         warnings.warn(f"{what} unavailable, using {fallback}: {err}", RuntimeWarning)
         return None
+    for name, (argtypes, restype) in signatures.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
+    return lib

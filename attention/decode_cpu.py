@@ -31,14 +31,9 @@ def build(compiler: str | None = None) -> Path:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = cpp_build.load(SOURCE, "TOOLKIT_CPU_DECODE_KERNEL", "CPU decode kernel", "the torch decode path")
-    if lib is None:
-        return None
     pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    for name in DTYPES.values():
-        getattr(lib, name).argtypes = [pointer] * 6 + [i32] * 7 + [f32]
-        getattr(lib, name).restype = i32
-    return lib
+    signatures = {name: ([pointer] * 6 + [i32] * 7 + [f32], i32) for name in DTYPES.values()}
+    return cpp_build.load(SOURCE, "TOOLKIT_CPU_DECODE_KERNEL", "CPU decode kernel", "the torch decode path", signatures)
 
 
 _available: bool | None = None  # unknown until first asked outside a compiled region

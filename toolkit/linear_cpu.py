@@ -28,14 +28,12 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = cpp_build.load(SOURCE, "TOOLKIT_CPU_LINEAR_KERNEL", "CPU linear kernel", "oneDNN's")
-    if lib is None:
-        return None
     pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    signatures = {}
     for suffix in SUFFIX.values():
-        getattr(lib, f"pack_{suffix}").argtypes = [pointer, i64, i64, pointer]
-        getattr(lib, f"linear_{suffix}").argtypes = [pointer, i32, i64, pointer, pointer, pointer, i32, i64, i64, i64]
-    return lib
+        signatures[f"pack_{suffix}"] = ([pointer, i64, i64, pointer], None)
+        signatures[f"linear_{suffix}"] = ([pointer, i32, i64, pointer, pointer, pointer, i32, i64, i64, i64], None)
+    return cpp_build.load(SOURCE, "TOOLKIT_CPU_LINEAR_KERNEL", "CPU linear kernel", "oneDNN's", signatures)
 
 
 def available(dtype: torch.dtype) -> bool:

@@ -21,7 +21,7 @@ from torch import nn
 from toolkit import linear_cpu
 
 
-# Defined with the low-level torch.library API, not `custom_op`: a decode step calls it 85 times and
+# Defined with the low-level torch.library API, not `custom_op`: a decode step called it 85 times and
 # custom_op's Python wrapper added ~15 us to each call (~1.3 ms of a 45 ms batch-1 step).
 _lib = torch.library.Library("toolkit", "FRAGMENT")
 _lib.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor")
@@ -84,5 +84,8 @@ def pack_linears(model: nn.Module, batch_hint: int) -> int:
              if isinstance(child, nn.Linear)]
     for parent, name, child in swaps:
         panels = linear_cpu.available(child.weight.dtype)
-        setattr(parent, name, linear_cpu.PanelLinear(child) if panels else PackedLinear(child, batch_hint))
+        packed = linear_cpu.PanelLinear(child) if panels else PackedLinear(child, batch_hint)
+        if hasattr(child, "splits"):
+            packed.splits = child.splits  # a MergedLinear's parts (toolkit/merged_linear.py)
+        setattr(parent, name, packed)
     return len(swaps)

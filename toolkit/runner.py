@@ -33,6 +33,7 @@ from scheduling import ScheduledRequest
 from parallel import processes_per_device
 from toolkit.config import ModelConfig
 from toolkit.cuda_graphs import DecodeGraphs
+from toolkit.merged_linear import merge_linears
 from toolkit.packed_linear import pack_linears, packing_supported
 from toolkit.paths import cache_root
 from toolkit.weights import load_model
@@ -98,6 +99,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(config, dtype, device, max_positions=max_model_len, load_format=load_format, tp=tp)
         self.tp = tp
+        # Merged q/k/v and gate/up matmuls (toolkit/merged_linear.py); a TP plan shards them apart.
+        self.merged_linears = merge_linears(self.model) if tp is None else 0
         self.packed_linears = 0
         if prepack_weights and tp is None and packing_supported(device, dtype):
             self.packed_linears = pack_linears(self.model, batch_hint=min(max_num_seqs, 64))

@@ -15,6 +15,7 @@ from torch import nn
 
 from attention import AttentionMetadata, paged_attention, write_kv
 from toolkit.config import ModelConfig, rope_inv_freq
+from toolkit.merged_linear import project
 
 
 class RMSNorm(nn.Module):
@@ -57,6 +58,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    merge_groups = (("q_proj", "k_proj", "v_proj"),)  # they read the same x (toolkit/merged_linear.py)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
@@ -73,9 +76,8 @@ class Attention(nn.Module):
 
     def forward(self, rope, x, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, -1, self.head_dim)
-        k = self.k_proj(x).view(T, -1, self.head_dim)
-        v = self.v_proj(x).view(T, -1, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = q.view(T, -1, self.head_dim), k.view(T, -1, self.head_dim), v.view(T, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
@@ -85,6 +87,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    merge_groups = (("gate_proj", "up_proj"),)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -93,7 +97,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

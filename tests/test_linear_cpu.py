@@ -33,50 +33,78 @@ def test_float32_matches_float64(n, k, bias):
         torch.testing.assert_close(out.double(), _reference(x, linear), atol=1e-4 * k**0.5, rtol=1e-5)
 
 
-def test_bfloat16_weights_and_activations():
+HALVES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_half_weights_and_activations(dtype):
     g = torch.Generator().manual_seed(1)
-    linear = torch.nn.Linear(300, 70, bias=True).to(torch.bfloat16)
+    linear = torch.nn.Linear(300, 70, bias=True).to(dtype)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(70, 300, generator=g))
+        linear.bias.copy_(torch.randn(70, generator=g))
     packed = PanelLinear(linear)
-    assert packed.panels.dtype == torch.bfloat16 and packed.panels.shape == (5, 300, 16)
+    assert packed.panels.dtype == dtype and packed.panels.shape == (5, 300, 16)
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     for m in (1, 2, 7, 64):
-        x = torch.randn(m, 300, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, 300, generator=g).to(dtype)
         out = packed(x)
-        assert out.dtype == torch.bfloat16
-        # float32 accumulation of exact products, one rounding to bf16 at the end: what torch computes in
-        # float32 and rounds, up to the float32 summation order (1 bf16 ulp at most).
-        expected = _reference(x, linear).float().to(torch.bfloat16)
-        torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
-        # A float32 x against bf16 weights: products of the same values, float32 out.
+        assert out.dtype == dtype
+        # float32 accumulation of exact products, one rounding at the end: what torch computes in
+        # float32 and rounds, up to the float32 summation order (1 ulp, or the float32 sum's own
+        # error where a row cancels to near zero).
+        expected = _reference(x, linear).float().to(dtype)
+        torch.testing.assert_close(out.double(), expected.double(), atol=1e-4, rtol=ulp)
+        # A float32 x against half weights: products of the same values, float32 out.
         out32 = packed(x.float())
         assert out32.dtype == torch.float32
         torch.testing.assert_close(out32.double(), _reference(x, linear), atol=1e-3, rtol=1e-5)
+    # x in the other half type: converted around the kernel, the output in x's dtype.
+    other = HALVES[1 - HALVES.index(dtype)]
+    x = torch.randn(3, 300, generator=g)
+    out = packed(x.to(other))
+    assert out.dtype == other
+    torch.testing.assert_close(out.double(), _reference(x.to(other), linear), atol=0.5, rtol=2**-6)
 
 
-def test_bfloat16_output_rounds_like_torch():
-    # Float32 weights, a bf16 x of 1: each output is one float32 product, rounded to bf16 by the kernel.
-    # Halfway cases go to even (1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6), as torch rounds.
+# Exact float32 sums a + b, which the kernel rounds once to the half type: halfway cases go to even
+# and past the largest finite value to inf, as torch rounds. Per dtype: (a, b) pairs.
+ROUNDING = {
+    torch.bfloat16: [(1, 2**-8), (1, 3 * 2**-8), (-1, -(2**-8)), (1, 2**-9), (3.3895313892515355e38, 2**119),
+                     (1e-40, 0), (2**-126, 2**-133)],
+    torch.float16: [(1, 2**-11), (1, 3 * 2**-11), (-1, -(2**-11)), (1, 2**-12), (65504, 16), (65504, 15),
+                    (2**-24, 0), (2**-14, 2**-24)],
+}
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_half_output_rounds_like_torch(dtype):
     g = torch.Generator().manual_seed(2)
-    columns = torch.cat([torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-9, 3e38, 1e-40]),
-                         torch.randn(58, generator=g)])
-    linear = torch.nn.Linear(1, 64, bias=False)
+    pairs = torch.tensor(ROUNDING[dtype], dtype=torch.float64)
+    pairs = torch.cat([pairs, torch.randn(64 - len(pairs), 2, generator=g, dtype=torch.float64)])
+    weight = pairs.to(dtype)  # [64, 2]: column n computes a_n * 1 + b_n * 1
+    linear = torch.nn.Linear(2, 64, bias=False).to(dtype)
     with torch.no_grad():
-        linear.weight.copy_(columns[:, None])
-    packed = PanelLinear(linear)
-    out = packed(torch.ones(1, 1, dtype=torch.bfloat16))
-    assert out.dtype == torch.bfloat16
-    assert torch.equal(out[0], columns.to(torch.bfloat16))
-    assert out[0, :2].tolist() == [1.0, 1 + 2**-6]
+        linear.weight.copy_(weight)
+    out = PanelLinear(linear)(torch.ones(1, 2, dtype=dtype))
+    assert out.dtype == dtype
+    expected = (weight[:, 0].float() + weight[:, 1].float()).to(dtype)
+    assert torch.equal(out[0], expected)
+    if dtype == torch.bfloat16:
+        assert out[0, :2].tolist() == [1.0, 1 + 2**-6] and out[0, 4].item() == float("inf")
+    else:
+        assert out[0, :2].tolist() == [1.0, 1 + 2**-9] and out[0, 4].item() == float("inf")
+        assert out[0, 5].item() == 65504
 
 
-def test_bfloat16_nan_and_inf_pass_through():
-    linear = torch.nn.Linear(1, 4, bias=False).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", HALVES)
+def test_half_nan_and_inf_pass_through(dtype):
+    linear = torch.nn.Linear(1, 4, bias=False).to(dtype)
     with torch.no_grad():
         linear.weight.fill_(1.0)
     packed = PanelLinear(linear)
     for special in (float("nan"), float("inf"), -float("inf")):
-        out = packed(torch.tensor([[special]], dtype=torch.bfloat16))
+        out = packed(torch.tensor([[special]], dtype=dtype))
         torch.testing.assert_close(out.float(), torch.full((1, 4), special), equal_nan=True)
 
 
@@ -99,8 +127,8 @@ def test_bad_shapes_raise():
         packed(torch.randn(4, 31))
     with pytest.raises(ValueError, match="out_features"):
         torch.ops.toolkit.linear_cpu.default(torch.randn(4, 32), packed.panels, 33, None)
-    with pytest.raises(ValueError, match="2-d float32 or bfloat16"):
-        linear_cpu.pack(torch.randn(4, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="2-d float32, bfloat16 or float16"):
+        linear_cpu.pack(torch.randn(4, 4, dtype=torch.float64))
 
 
 def test_missing_compiler_warns_and_reports_unavailable(monkeypatch):

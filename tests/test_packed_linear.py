@@ -42,12 +42,13 @@ def test_pack_linears_swaps_every_linear_and_keeps_the_rest():
 
 def test_packing_is_cpu_and_fast_dtypes_only():
     assert not packing_supported(torch.device("meta"), torch.float32)
-    assert not packing_supported(torch.device("cpu"), torch.float16)
+    assert not packing_supported(torch.device("cpu"), torch.float64)
     assert not onednn_supported(torch.device("cpu"), torch.float16)
     assert onednn_supported(torch.device("cpu"), torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    # bf16 is fast wherever the panel kernel is built: it widens bf16 weights in float32 registers.
+    # bf16 and fp16 are fast wherever the panel kernel is built: it widens them in float32 registers.
     assert packing_supported(torch.device("cpu"), torch.bfloat16) == (
         linear_cpu.available(torch.bfloat16) or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert packing_supported(torch.device("cpu"), torch.float16) == linear_cpu.available(torch.float16)
 
 
 def test_without_the_panel_kernel_onednn_packs(monkeypatch):

@@ -73,15 +73,18 @@ def test_prefill_logits_match_transformers(family_case):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
-def test_bf16_prefill_logits_are_as_close_as_transformers_bf16(family_case):
-    """In bf16 there is no exact answer; the oracle is the float32 model. Our bf16 engine (on CPU the
-    panel linear kernel, bf16 weights widened to float32) must land as near it as transformers in bf16."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_prefill_logits_are_as_close_as_transformers_in_the_same_dtype(family_case, dtype):
+    """In bf16 and fp16 there is no exact answer; the oracle is the float32 model. Our engine (on CPU
+    the panel linear kernel, half weights widened to float32) must land as near it as transformers in
+    the same dtype."""
     from transformers import AutoModelForCausalLM
 
     family, path, prompts, _ = family_case
-    runner = make_llm(family, path, dtype="bfloat16").engine.runner
+    runner = make_llm(family, path, dtype=dtype).engine.runner
+    assert runner.packed_linears > 0  # the kernel, not torch's emulated half matmuls
     exact = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     for prompt in prompts[:3]:
         blocks = list(range((len(prompt) + 15) // 16))
         inputs = runner.prepare([ScheduledRequest("r", prompt, 0, blocks, True)])
@@ -91,7 +94,7 @@ def test_bf16_prefill_logits_are_as_close_as_transformers_bf16(family_case):
             truth = exact(torch.tensor([prompt])).logits[0]
             theirs = hf16(torch.tensor([prompt])).logits[0].float()
         ours_err, theirs_err = (ours - truth).abs().max().item(), (theirs - truth).abs().max().item()
-        assert ours_err <= 2 * theirs_err + 1e-3, f"{family}: bf16 error {ours_err:.4f}, transformers' {theirs_err:.4f}"
+        assert ours_err <= 2 * theirs_err + 1e-3, f"{family}: {dtype} error {ours_err:.4f}, transformers' {theirs_err:.4f}"
 
 
 def count_preemptions(llm: LLM) -> dict:

@@ -9,11 +9,12 @@
 // M=1, 1.1-1.3x at M=64, about equal at M=2048.
 //
 // Layout: W [N, K] becomes panels [ceil(N / 16), K, 16], zero-padded past N, so a panel's 16
-// columns for one k are one 64-byte (fp32) or 32-byte (bf16) run and a panel is read front to back.
-// In a bf16 panel, 32-bit lane j holds column j in its low half and column j + 8 in its high half,
-// so one load gives both vectors: a shift widens the low halves, a mask the high ones.
-// x and out are float32 or bfloat16 (then x is widened once per call and out rounded to nearest
-// even on store: two fewer tensor passes per call than converting around the op).
+// columns for one k are one 64-byte (fp32) or 32-byte (bf16, fp16) run and a panel is read front to
+// back. In a bf16 panel, 32-bit lane j holds column j in its low half and column j + 8 in its high
+// half, so one load gives both vectors: a shift widens the low halves, a mask the high ones. fp16
+// panels keep the plain order: F16C's vcvtph2ps widens 8 halves at once.
+// x and out are float32, bfloat16 or float16 (then x is widened once per call and out rounded to
+// nearest even on store: two fewer tensor passes per call than converting around the op).
 // Built by attention/cpp_build.py with -O3 -march=native -ffast-math -fopenmp.
 
 #include <algorithm>
@@ -22,6 +23,9 @@
 #include <memory>
 
 #include <omp.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -37,6 +41,23 @@ inline void widen(const float* __restrict p, vec8& lo, vec8& hi) {
     std::memcpy(&hi, p + 8, sizeof hi);
 }
 
+// IEEE half: gcc's _Float16 (a distinct type from bf16's uint16_t storage; conversions round to
+// nearest even and keep NaN and inf).
+typedef _Float16 f16;
+
+inline void widen(const f16* __restrict p, vec8& lo, vec8& hi) {
+#ifdef __F16C__
+    __m128i a, b;
+    std::memcpy(&a, p, sizeof a);
+    std::memcpy(&b, p + 8, sizeof b);
+    const __m256 l = _mm256_cvtph_ps(a), h = _mm256_cvtph_ps(b);
+    std::memcpy(&lo, &l, sizeof lo);
+    std::memcpy(&hi, &h, sizeof hi);
+#else  // gcc 12 compiles its portable vector conversion to scalar ones: correct, slow
+    for (int j = 0; j < 8; ++j) lo[j] = float(p[j]), hi[j] = float(p[j + 8]);
+#endif
+}
+
 inline void widen(const uint16_t* __restrict p, vec8& lo, vec8& hi) {
     u32x8 v;
     std::memcpy(&v, p, sizeof v);
@@ -46,6 +67,7 @@ inline void widen(const uint16_t* __restrict p, vec8& lo, vec8& hi) {
 }
 
 inline void put(float* p, float v) { *p = v; }
+inline void put(f16* p, float v) { *p = f16(v); }
 
 inline void put(uint16_t* p, float v) {  // round to nearest even, as torch's float -> bfloat16
     uint32_t bits;
@@ -129,6 +151,7 @@ void linear(const float* x, int64_t x_stride, const W* panels, const float* bias
 
 // Where column j of a panel row is stored (see the layout above).
 inline int slot(float*, int j) { return j; }
+inline int slot(f16*, int j) { return j; }
 inline int slot(uint16_t*, int j) { return (j % 8) * 2 + j / 8; }
 
 template <typename W>
@@ -139,33 +162,52 @@ void pack(const W* w, int64_t N, int64_t K, W* panels) {
         for (int64_t k = 0; k < K; ++k)
             for (int j = 0; j < NR; ++j) {
                 const int64_t n = p * NR + j;
-                panels[(p * K + k) * NR + slot(panels, j)] = n < N ? w[n * K + k] : W(0);
+                panels[(p * K + k) * NR + slot(panels, j)] = n < N ? w[n * K + k] : W{};
             }
 }
 
-// out [M, N] (contiguous) = x [M, K] (rows x_stride apart) @ W^T + bias (nullable, float32 [N]);
-// x and out are bfloat16 where x_bf16 / out_bf16, else float32.
-template <typename W>
-void run(const void* x, int x_bf16, int64_t x_stride, const W* panels, const float* bias, void* out, int out_bf16,
-         int64_t M, int64_t N, int64_t K) {
-    std::unique_ptr<float[]> widened;  // not zero-filled: every element is written below
-    const float* xf = static_cast<const float*>(x);
-    if (x_bf16) {
-        widened.reset(new float[M * K]);
-        const uint16_t* xb = static_cast<const uint16_t*>(x);
-        // A decode step's few rows are not worth waking the other threads for.
+// Element kinds of x and out, as the Python side passes them.
+enum Kind { F32 = 0, BF16 = 1, F16 = 2 };
+
+inline float to_float(uint16_t bf16) {
+    const uint32_t bits = uint32_t(bf16) << 16;
+    float v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+}
+inline float to_float(f16 h) { return float(h); }
+
+// x [M, K] (rows x_stride apart) widened to a contiguous float32 copy.
+template <typename H>
+std::unique_ptr<float[]> widen_rows(const H* x, int64_t x_stride, int64_t M, int64_t K) {
+    std::unique_ptr<float[]> out(new float[M * K]);  // not zero-filled: every element is written
+    // A decode step's few rows are not worth waking the other threads for.
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t k = 0; k < K; ++k) {
-                const uint32_t bits = uint32_t(xb[m * x_stride + k]) << 16;
-                std::memcpy(&widened[m * K + k], &bits, sizeof bits);
-            }
-        xf = widened.get(), x_stride = K;
-    }
-    if (out_bf16)
-        linear(xf, x_stride, panels, bias, static_cast<uint16_t*>(out), M, N, K);
-    else
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) out[m * K + k] = to_float(x[m * x_stride + k]);
+    return out;
+}
+
+// The out types a W is built for: float32, or W's own half type. (Every combination would more than
+// double the build, paid at a cold start; the op converts around the kernel for the rest.)
+template <typename W> struct Half { typedef float type; };
+template <> struct Half<uint16_t> { typedef uint16_t type; };
+template <> struct Half<f16> { typedef f16 type; };
+
+// out [M, N] (contiguous) = x [M, K] (rows x_stride apart) @ W^T + bias (nullable, float32 [N]);
+// x is of x_kind, out float32 or (out_kind != F32) W's own half type.
+template <typename W>
+void run(const void* x, int x_kind, int64_t x_stride, const W* panels, const float* bias, void* out, int out_kind,
+         int64_t M, int64_t N, int64_t K) {
+    std::unique_ptr<float[]> widened;
+    const float* xf = static_cast<const float*>(x);
+    if (x_kind == BF16) widened = widen_rows(static_cast<const uint16_t*>(x), x_stride, M, K);
+    if (x_kind == F16) widened = widen_rows(static_cast<const f16*>(x), x_stride, M, K);
+    if (widened) xf = widened.get(), x_stride = K;
+    if (out_kind == F32)
         linear(xf, x_stride, panels, bias, static_cast<float*>(out), M, N, K);
+    else
+        linear(xf, x_stride, panels, bias, static_cast<typename Half<W>::type*>(out), M, N, K);
 }
 
 }  // namespace
@@ -175,13 +217,18 @@ extern "C" {
 // w [N, K] row-major -> panels [ceil(N / 16), K, 16].
 void pack_f32(const float* w, int64_t N, int64_t K, float* panels) { pack(w, N, K, panels); }
 void pack_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* panels) { pack(w, N, K, panels); }
+void pack_f16(const f16* w, int64_t N, int64_t K, f16* panels) { pack(w, N, K, panels); }
 
-void linear_f32(const void* x, int x_bf16, int64_t x_stride, const float* panels, const float* bias, void* out,
-                int out_bf16, int64_t M, int64_t N, int64_t K) {
-    run(x, x_bf16, x_stride, panels, bias, out, out_bf16, M, N, K);
+void linear_f32(const void* x, int x_kind, int64_t x_stride, const float* panels, const float* bias, void* out,
+                int out_kind, int64_t M, int64_t N, int64_t K) {
+    run(x, x_kind, x_stride, panels, bias, out, out_kind, M, N, K);
 }
-void linear_bf16(const void* x, int x_bf16, int64_t x_stride, const uint16_t* panels, const float* bias, void* out,
-                 int out_bf16, int64_t M, int64_t N, int64_t K) {
-    run(x, x_bf16, x_stride, panels, bias, out, out_bf16, M, N, K);
+void linear_bf16(const void* x, int x_kind, int64_t x_stride, const uint16_t* panels, const float* bias, void* out,
+                 int out_kind, int64_t M, int64_t N, int64_t K) {
+    run(x, x_kind, x_stride, panels, bias, out, out_kind, M, N, K);
+}
+void linear_f16(const void* x, int x_kind, int64_t x_stride, const f16* panels, const float* bias, void* out,
+                int out_kind, int64_t M, int64_t N, int64_t K) {
+    run(x, x_kind, x_stride, panels, bias, out, out_kind, M, N, K);
 }
 }

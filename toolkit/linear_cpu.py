@@ -3,8 +3,9 @@
 On this 2-core AVX2 host it beat oneDNN's prepacked fp32 weights (toolkit/packed_linear.py) on
 every decode shape measured: 1.5x at M=1, 1.1-1.3x at M=64, about even at M=2048. With bf16
 weights it reads half the bytes and computes in float32 registers, where torch's own bf16 matmul
-is emulated on CPUs without AVX-512 BF16: 2.6x oneDNN fp32 at M=1. Numerics: float32 products and
-float32 accumulation, as torch's CPU matmuls; bf16 outputs are rounded once at the end.
+is emulated on CPUs without AVX-512 BF16: 2.6x oneDNN fp32 at M=1. fp16 weights run alike (F16C
+widening), 6.7x torch's own fp16 matmul at M=64 here. Numerics: float32 products and float32
+accumulation, as torch's CPU matmuls; half outputs are rounded once at the end.
 
 The kernel is built on first use (attention/cpp_build.py). `TOOLKIT_CPU_LINEAR_KERNEL=0` turns it
 off; where it cannot be built, linears fall back to oneDNN with one warning.
@@ -23,7 +24,8 @@ from attention import cpp_build
 
 SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 PANEL = 16  # output columns per panel
-SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # x and out, as linear_cpu.cpp's Kind
 
 
 @functools.cache
@@ -37,14 +39,14 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available(dtype: torch.dtype) -> bool:
-    """Whether the kernel is built and takes weights of `dtype` (float32 or bfloat16)."""
+    """Whether the kernel is built and takes weights of `dtype` (float32, bfloat16 or float16)."""
     return dtype in SUFFIX and _library() is not None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] (float32 or bfloat16, CPU) -> panels [ceil(N / 16), K, 16] of the same dtype."""
+    """W [N, K] (float32, bfloat16 or float16, CPU) -> panels [ceil(N / 16), K, 16] of the same dtype."""
     if weight.dim() != 2 or weight.dtype not in SUFFIX or weight.device.type != "cpu":
-        raise ValueError(f"pack takes a 2-d float32 or bfloat16 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
+        raise ValueError(f"pack takes a 2-d float32, bfloat16 or float16 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
                          f"on {weight.device}")
     lib = _library()
     if lib is None:
@@ -62,11 +64,8 @@ def _kernel(dtype: torch.dtype):
     if lib is None:
         raise RuntimeError("toolkit::linear_cpu called but the kernel is unavailable (see the warning)")
     if dtype not in SUFFIX:
-        raise ValueError(f"linear_cpu: panels must be float32 or bfloat16, got {dtype}")
+        raise ValueError(f"linear_cpu: panels must be float32, bfloat16 or float16, got {dtype}")
     return getattr(lib, f"linear_{SUFFIX[dtype]}")
-
-
-_BF16 = torch.bfloat16
 
 
 def _linear_cpu(x, panels, out_features, bias):
@@ -80,16 +79,17 @@ def _linear_cpu(x, panels, out_features, bias):
     if not 0 < out_features <= num_panels * PANEL or (bias is not None and bias.shape != (out_features,)):
         raise ValueError(f"linear_cpu: out_features {out_features} or bias does not fit panels {tuple(panels.shape)}")
     dtype = x.dtype
-    if dtype != _BF16 and dtype != torch.float32:
-        x = x.float()
+    # x and out: float32, or the panels' own half type, which the kernel widens and rounds itself.
+    kind = KIND.get(dtype) if dtype == torch.float32 or dtype == panels.dtype else None
+    if kind is None:
+        x, kind = x.float(), 0
     if x.stride(1) != 1:
         x = x.contiguous()
-    bf16 = dtype == _BF16  # x and out; the kernel widens and rounds them itself
     bias32 = None if bias is None else bias.float().contiguous()  # held until the call returns
     m = x.shape[0]
     out = torch.empty(m, out_features, dtype=x.dtype)
-    kernel(x.data_ptr(), bf16, x.stride(0), panels.data_ptr(), None if bias32 is None else bias32.data_ptr(),
-           out.data_ptr(), bf16, m, out_features, k)
+    kernel(x.data_ptr(), kind, x.stride(0), panels.data_ptr(), None if bias32 is None else bias32.data_ptr(),
+           out.data_ptr(), kind, m, out_features, k)
     return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -106,7 +106,7 @@ def _linear_cpu_fake(x, panels, out_features, bias):
 
 
 class PanelLinear(nn.Module):
-    """y = x W^T + b with W held as panels (bf16 or fp32, the model's dtype); x is [M, in_features]."""
+    """y = x W^T + b with W held as panels (the model's dtype: fp32, bf16 or fp16); x is [M, in_features]."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -86,8 +86,14 @@ template <int R, int U, typename W, typename O>
 void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel, int64_t K,
           const float* __restrict bias, O* __restrict out, int64_t out_stride, int cols) {
     vec8 acc[U][R][2] = {};
+    // Half panels read by 1-2 rows stream fastest: a prefetch 32 k-steps (1 KB) ahead, one per 64-byte
+    // line, gained 5-14% there (M=1-2, bf16 and fp16, alternated in one process); fp32 panels and
+    // more rows lost with it.
+    constexpr bool prefetch = R <= 2 && sizeof(W) == 2;
     int64_t k = 0;
-    for (; k + U <= K; k += U)
+    for (; k + U <= K; k += U) {
+        if (prefetch)
+            for (int u = 0; u < U; u += 2) __builtin_prefetch(panel + (k + u + 32) * NR, 0, 3);
         for (int u = 0; u < U; ++u) {
             vec8 w0, w1;
             widen(panel + (k + u) * NR, w0, w1);
@@ -97,6 +103,7 @@ void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel
                 acc[u][r][1] += xb * w1;
             }
         }
+    }
     for (; k < K; ++k) {
         vec8 w0, w1;
         widen(panel + k * NR, w0, w1);

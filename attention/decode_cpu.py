@@ -21,7 +21,7 @@ import torch
 from attention import cpp_build
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
-DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
 
 
 def build(compiler: str | None = None) -> Path:

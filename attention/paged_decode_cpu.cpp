@@ -22,7 +22,7 @@
 
 #include <omp.h>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -50,6 +50,20 @@ inline vec8 load8(const uint16_t* p) {  // bfloat16 is the high half of a float3
     u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
     vec8 r;
     std::memcpy(&r, &bits, sizeof r);
+    return r;
+#endif
+}
+
+typedef _Float16 f16;  // IEEE half (gcc's type: distinct from the bf16 storage above)
+
+inline vec8 load8(const f16* p) {
+#if defined(__F16C__)
+    __m128i halves;
+    std::memcpy(&halves, p, sizeof halves);
+    return vec8(_mm256_cvtph_ps(halves));
+#else  // gcc 12 compiles its portable vector conversion to scalar ones: correct, slow
+    vec8 r;
+    for (int j = 0; j < 8; ++j) r[j] = float(p[j]);
     return r;
 #endif
 }
@@ -210,6 +224,13 @@ int paged_decode_f32(const float* q, const float* k, const float* v, const int32
 int paged_decode_bf16(const float* q, const uint16_t* k, const uint16_t* v, const int32_t* seq_lens,
                       const int32_t* tables, float* out, int rows, int num_heads, int num_kv_heads, int head_dim,
                       int block_size, int table_width, int num_blocks, float scale) {
+    return decode(q, k, v, seq_lens, tables, out, rows, num_heads, num_kv_heads, head_dim, block_size, table_width,
+                  num_blocks, scale);
+}
+
+int paged_decode_f16(const float* q, const f16* k, const f16* v, const int32_t* seq_lens, const int32_t* tables,
+                     float* out, int rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                     int table_width, int num_blocks, float scale) {
     return decode(q, k, v, seq_lens, tables, out, rows, num_heads, num_kv_heads, head_dim, block_size, table_width,
                   num_blocks, scale);
 }

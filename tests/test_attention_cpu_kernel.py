@@ -35,11 +35,12 @@ def test_kernel_matches_dense(block_size, head_dim, num_heads, num_kv_heads):
     torch.testing.assert_close(out.double(), dense_reference(batch), atol=1e-5, rtol=1e-5)
 
 
-def test_kernel_bfloat16_cache():
-    batch = make_batch(DECODES, block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+def test_kernel_half_cache(dtype, tol):
+    batch = make_batch(DECODES, block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype)
     out = _decode(batch)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), dense_reference(batch), atol=2e-2, rtol=2e-2)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=tol, rtol=tol)
 
 
 def test_zero_length_row_gives_zeros_and_non_contiguous_q_is_read_right():

@@ -21,6 +21,7 @@ import torch
 from attention import cpp_build
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
+SWITCH = "TOOLKIT_CPU_DECODE_KERNEL"
 DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
 
 
@@ -33,7 +34,7 @@ def build(compiler: str | None = None) -> Path:
 def _library() -> ctypes.CDLL | None:
     pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     signatures = {name: ([pointer] * 6 + [i32] * 7 + [f32], i32) for name in DTYPES.values()}
-    return cpp_build.load(SOURCE, "TOOLKIT_CPU_DECODE_KERNEL", "CPU decode kernel", "the torch decode path", signatures)
+    return cpp_build.load(SOURCE, SWITCH, "CPU decode kernel", "the torch decode path", signatures)
 
 
 _available: bool | None = None  # unknown until first asked outside a compiled region

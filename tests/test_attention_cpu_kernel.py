@@ -7,7 +7,7 @@ own, including the tail rows of each request's last block, which the kernel comp
 import pytest
 import torch
 
-from attention import decode_cpu, paged_attention
+from attention import cpp_build, decode_cpu, paged_attention
 from tests.test_attention import HEAD_CONFIGS, dense_reference, make_batch
 
 
@@ -104,6 +104,20 @@ def test_build_is_cached_per_source_and_reports_a_missing_compiler(tmp_path, mon
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary files left behind
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         decode_cpu.build(compiler="no-such-compiler-xyz")
+
+
+def test_build_all_builds_what_is_switched_on_and_leaves_failures_to_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setenv("TOOLKIT_TEST_OFF", "0")
+    off = tmp_path / "off.cpp"
+    off.write_text("int f() { return 0; }\n")
+    cpp_build.build_all({decode_cpu.SOURCE: decode_cpu.SWITCH, broken: "TOOLKIT_TEST_ON", off: "TOOLKIT_TEST_OFF"})
+    built = sorted(p.name.split("-")[0] for p in (tmp_path / "kernels").iterdir() if p.suffix == ".so")
+    assert built == ["paged_decode_cpu"]  # the broken one raised nothing here; the switched-off one was skipped
+    with pytest.warns(RuntimeWarning, match="broken.cpp failed"):
+        assert cpp_build.load(broken, "TOOLKIT_TEST_ON", "test kernel", "nothing", {}) is None
 
 
 def test_loading_the_kernel_keeps_subnormal_floats():

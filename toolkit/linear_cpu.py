@@ -23,6 +23,7 @@ from torch import nn
 from attention import cpp_build
 
 SOURCE = Path(__file__).with_name("linear_cpu.cpp")
+SWITCH = "TOOLKIT_CPU_LINEAR_KERNEL"
 PANEL = 16  # output columns per panel
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # x and out, as linear_cpu.cpp's Kind
@@ -35,7 +36,7 @@ def _library() -> ctypes.CDLL | None:
     for suffix in SUFFIX.values():
         signatures[f"pack_{suffix}"] = ([pointer, i64, i64, pointer], None)
         signatures[f"linear_{suffix}"] = ([pointer, i32, i64, pointer, pointer, pointer, i32, i64, i64, i64], None)
-    return cpp_build.load(SOURCE, "TOOLKIT_CPU_LINEAR_KERNEL", "CPU linear kernel", "oneDNN's", signatures)
+    return cpp_build.load(SOURCE, SWITCH, "CPU linear kernel", "oneDNN's", signatures)
 
 
 def available(dtype: torch.dtype) -> bool:

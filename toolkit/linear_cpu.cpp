@@ -202,7 +202,8 @@ template <> struct Half<uint16_t> { typedef uint16_t type; };
 template <> struct Half<f16> { typedef f16 type; };
 
 // out [M, N] (contiguous) = x [M, K] (rows x_stride apart) @ W^T + bias (nullable, float32 [N]);
-// x is of x_kind, out float32 or (out_kind != F32) W's own half type.
+// x is of x_kind, out float32 or (out_kind != F32) W's own half type: the op passes F32 for float
+// panels, so a float32 out is never written into a half buffer.
 template <typename W>
 void run(const void* x, int x_kind, int64_t x_stride, const W* panels, const float* bias, void* out, int out_kind,
          int64_t M, int64_t N, int64_t K) {

@@ -10,6 +10,9 @@ loops). Each decoder layer is `torch.compile`d with `fullgraph=True` unless `enf
   Inductor's on-disk caches (FX graph and AOTAutograd caches, under $TOOLKIT_CACHE/inductor, default
   ~/.cache/toolkit/inductor, unless TORCHINDUCTOR_CACHE_DIR is set) make a second start of the same
   model and shapes fast.
+- On CPU the two graphs (mixed steps, decode-only steps) are precompiled and saved whole
+  (`toolkit/precompiled.py`): a warm start loads them without re-tracing, and calls skip Dynamo's
+  guards. Elsewhere, with TOOLKIT_PRECOMPILE=0, or where that fails, layers use `layer.compile`.
 - Decode-only steps get a graph of their own: there the torch backend calls the CPU decode kernel
   (`attention/decode_cpu.py`, built before the first trace) or, off CPU, traces decode attention
   into the graph (`attention/decode_torch.py`) instead of calling the opaque reference op.
@@ -35,6 +38,7 @@ from toolkit.config import ModelConfig
 from toolkit.cuda_graphs import DecodeGraphs
 from toolkit.merged_linear import merge_linears
 from toolkit.packed_linear import pack_linears, packing_supported
+from toolkit import precompiled
 from toolkit.paths import cache_root
 from toolkit.weights import load_model
 
@@ -114,6 +118,7 @@ class ModelRunner:
         )
         self.enforce_eager = enforce_eager
         self.compile_seconds = 0.0
+        self.precompiled = None
         if enforce_eager:
             self.forward = self.model
         else:
@@ -129,8 +134,14 @@ class ModelRunner:
             options = {"assert_indirect_indexing": False} if compile_backend == "inductor" else None
             if torch.device(device).type == "cpu":
                 decode_cpu.kernel_available()  # build it now: the graphs read its availability as a constant
-            for layer in self.model.model.layers:
-                layer.compile(fullgraph=True, dynamic=True, backend=compile_backend, options=options)
+            layers = self.model.model.layers
+            if precompiled.enabled(device, compile_backend, tp):
+                # Graphs traced once and kept on disk, called without Dynamo's guards (toolkit/precompiled.py).
+                self.precompiled = precompiled.PrecompiledLayers(type(layers[0]).forward, options)
+                self.precompiled.install(layers)
+            else:
+                for layer in layers:
+                    layer.compile(fullgraph=True, dynamic=True, backend=compile_backend, options=options)
             self.forward = self.model
             for cache in self.kv_caches:
                 # Its shape never changes: static sizes let Inductor unroll the head and block loops.
@@ -230,9 +241,12 @@ class ModelRunner:
             return self.decode_graphs.run(inputs.input_ids[: inputs.num_tokens], inputs.positions[: inputs.num_tokens],
                                           inputs.meta, inputs.logits_indices)
         graphs_before = num_compiled_graphs()
+        precompiled_before = self.precompiled.seconds if self.precompiled else 0.0
         start = time.perf_counter()
         logits = self.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
-        if num_compiled_graphs() > graphs_before:
+        if self.precompiled and self.precompiled.seconds > precompiled_before:
+            self.compile_seconds += self.precompiled.seconds - precompiled_before  # logged where it happened
+        elif num_compiled_graphs() > graphs_before:
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             log.info("compiled a graph for %d packed tokens in %.1f s (first run included)", inputs.input_ids.shape[0], seconds)

@@ -33,7 +33,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TOOLKIT_CACHE") or Path.home() / ".cache" / "toolkit") / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags: code built with -march=native is valid only where they match."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
@@ -47,7 +48,7 @@ def build(source: Path, compiler: str | None = None) -> Path:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = "\0".join([source.read_text(), *FLAGS, *LINK_FLAGS, version, _cpu_flags()])
+    key = "\0".join([source.read_text(), *FLAGS, *LINK_FLAGS, version, cpu_flags()])
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():

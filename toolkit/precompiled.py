@@ -61,19 +61,9 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def graph_key(layer: torch.nn.Module, kind: str, kv_cache: torch.Tensor, meta, options: dict | None) -> str:
     """Everything a saved graph depends on that can differ between runs, hashed."""
-    from attention import decode_cpu
+    from attention import cpp_build, decode_cpu
 
     parts = {
         "kind": kind,
@@ -87,7 +77,7 @@ def graph_key(layer: torch.nn.Module, kind: str, kv_cache: torch.Tensor, meta, o
         "torch": torch.__version__,
         "python": platform.python_version(),  # the saved graph carries Dynamo's rewritten bytecode
         "threads": torch.get_num_threads(),  # Inductor writes the thread count into its C++ loops
-        "cpu": [_cpu_name(), torch.backends.cpu.get_cpu_capability()],
+        "cpu": cpp_build.cpu_flags(),  # Inductor's C++ is built for this CPU (-march=native), as our kernels
         "sources": _sources_digest(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]

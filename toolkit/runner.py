@@ -37,8 +37,8 @@ from parallel import processes_per_device
 from toolkit.config import ModelConfig
 from toolkit.cuda_graphs import DecodeGraphs
 from toolkit.merged_linear import merge_linears
-from toolkit.packed_linear import pack_linears, packing_supported
 from toolkit import precompiled
+from toolkit.packed_linear import pack_linears, packing_supported
 from toolkit.paths import cache_root
 from toolkit.weights import load_model
 

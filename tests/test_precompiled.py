@@ -18,11 +18,18 @@ import torch
 
 from attention import AttentionMetadata
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
-from toolkit import LLM, SamplingParams, precompiled
+from toolkit import LLM, SamplingParams, decode_step_cpu, precompiled
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = random_prompts(5, seed=11, low=3, high=30)
 NEW_TOKENS = 10
+
+
+@pytest.fixture(autouse=True)
+def layer_graphs_for_decode_steps_too(monkeypatch):
+    # Else decode steps take the C++ decode step (tests/test_decode_step_cpu.py) and make no graph;
+    # the fresh process below inherits this.
+    monkeypatch.setenv(decode_step_cpu.SWITCH, "0")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 from attention import cpp_build, decode_cpu
 from parallel import setup_parallel
 from scheduling import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
-from toolkit import linear_cpu
+from toolkit import decode_step_cpu, linear_cpu
 from toolkit.config import ModelConfig, check_sliding_window, load_model_config, resolve_dtype
 from toolkit.detokenizer import IncrementalDetokenizer
 from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -114,7 +114,8 @@ class Engine:
             config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(config.dtype, mc.checkpoint_dtype)
         if self.device.type == "cpu":  # before the dtype check below loads the linear kernel
-            cpp_build.build_all({linear_cpu.SOURCE: linear_cpu.SWITCH, decode_cpu.SOURCE: decode_cpu.SWITCH})
+            cpp_build.build_all({linear_cpu.SOURCE: linear_cpu.SWITCH, decode_cpu.SOURCE: decode_cpu.SWITCH,
+                                 decode_step_cpu.SOURCE: decode_step_cpu.SWITCH})
         if self.device.type == "cpu" and self.dtype != torch.float32 and not packing_supported(self.device, self.dtype):
             log.warning(
                 "%s on a CPU without native %s units (no AVX-512 BF16/AMX here) and without the panel linear kernel "

@@ -36,6 +36,7 @@ from scheduling import ScheduledRequest
 from parallel import processes_per_device
 from toolkit.config import ModelConfig
 from toolkit.cuda_graphs import DecodeGraphs
+from toolkit import decode_step_cpu
 from toolkit.merged_linear import merge_linears
 from toolkit import precompiled
 from toolkit.packed_linear import pack_linears, packing_supported
@@ -146,10 +147,27 @@ class ModelRunner:
             for cache in self.kv_caches:
                 # Its shape never changes: static sizes let Inductor unroll the head and block loops.
                 torch._dynamo.mark_static(cache)
+        self.decode_step = self._install_decode_step() if self.device.type == "cpu" and tp is None else None
         self.decode_graphs = None
         if cuda_graphs and DecodeGraphs.supported(device, attention_backend, enforce_eager):
             max_blocks = math.ceil(max_model_len / block_size)
             self.decode_graphs = DecodeGraphs(self.forward, self.kv_caches, max_num_seqs, max_blocks, device, attention_backend)
+
+    def _install_decode_step(self):
+        """Decode-only steps through C++ (toolkit/decode_step_cpu.py) where it takes the model; it wraps
+        what runs otherwise, the eager forward or the precompiled layer graphs. (Under `layer.compile`
+        the JIT path keeps its graphs for every step: not measured with it.)"""
+        if not (self.enforce_eager or self.precompiled) or os.environ.get(decode_step_cpu.SWITCH, "1") == "0":
+            return None
+        reason = decode_step_cpu.unsupported(self.model, self.kv_caches)
+        if reason is None and decode_step_cpu._library() is None:
+            reason = "the kernel is unavailable"
+        if reason is not None:
+            log.info("decode steps run the decoder layers one by one, not in C++: %s", reason)
+            return None
+        decode_step = decode_step_cpu.DecodeStep(self.model, self.kv_caches)
+        decode_step.install(self.model)
+        return decode_step
 
     # --- KV cache sizing -------------------------------------------------------------------
 

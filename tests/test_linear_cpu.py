@@ -33,6 +33,22 @@ def test_float32_matches_float64(n, k, bias):
         torch.testing.assert_close(out.double(), _reference(x, linear), atol=1e-4 * k**0.5, rtol=1e-5)
 
 
+def test_panels_of_2_mib_and_more_start_on_a_huge_page_and_compute_alike():
+    # 4100 x 300 float32: 4.7 MiB of panels, the last one zero-padded. (Whether the OS backs them with
+    # huge pages depends on its THP setting, so only the layout is checked, and the result.)
+    g = torch.Generator().manual_seed(7)
+    linear = torch.nn.Linear(300, 4100, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(4100, 300, generator=g))
+    packed = PanelLinear(linear)
+    assert packed.panels.nbytes >= 2 * linear_cpu.HUGE_PAGE and packed.panels.is_contiguous()
+    assert packed.panels.data_ptr() % linear_cpu.HUGE_PAGE == 0
+    x = torch.randn(3, 300, generator=g)
+    torch.testing.assert_close(packed(x).double(), _reference(x, linear), atol=1e-4 * 300**0.5, rtol=1e-5)
+    small = PanelLinear(torch.nn.Linear(64, 64))  # below a page: a plain allocation
+    assert small.panels.untyped_storage().nbytes() == small.panels.nbytes
+
+
 HALVES = [torch.bfloat16, torch.float16]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -54,9 +55,40 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the CPU linear kernel is unavailable (see the warning)")
     n, k = weight.shape
     weight = weight.contiguous()
-    panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=weight.dtype)
+    panels = _empty_on_huge_pages((-(-n // PANEL), k, PANEL), weight.dtype)
     getattr(lib, f"pack_{SUFFIX[weight.dtype]}")(weight.data_ptr(), n, k, panels.data_ptr())
     return panels
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+@functools.cache
+def _madvise():
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
+def _empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty, but starting on a 2 MiB boundary with its whole 2 MiB pages advised for transparent
+    huge pages (where the kernel allows them, as Debian's default "madvise" mode does). A batch-1 step
+    streams every weight once: with 4 KiB pages that is a TLB miss every 4 KiB, and huge pages took
+    a chain of the 125M model's panel linears from 10.53 to 10.24 ms (medians of 200 alternated calls).
+    Only pages wholly inside the tensor are advised, so nothing past it becomes resident; the up to
+    2 MiB skipped before it is address space, never touched."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    madvise = _madvise()
+    if nbytes < HUGE_PAGE or madvise is None:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    madvise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)  # a refusal only costs speed
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 @functools.cache

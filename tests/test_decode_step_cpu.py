@@ -126,6 +126,10 @@ def test_bad_rows_raise_index_error(ckpt):
     step[0][1] = runner.config.vocab_size
     with pytest.raises(IndexError, match="row 1 has a token id"):
         _decode(runner, *step, reference=False)
+    step = _step(runner, padding=2)
+    step[2].slot_mapping[1] = -1  # a real row without a slot, before the padding
+    with pytest.raises(IndexError, match="row 1 has .* KV slot outside the cache"):
+        _decode(runner, *step, reference=False)
     step = _step(runner)
     step[2].seq_lens[0] = BLOCK * step[2].block_tables.shape[1] + 1
     with pytest.raises(IndexError, match="past their block table"):

@@ -193,8 +193,7 @@ int layer(const Shape& s, const Layer& w, const Step<T>& st, const T* x, T* out,
         }
         rope<T>(q, Hq, D, st.cos + r * D, st.sin + r * D);
         rope<T>(k, Hkv, D, st.cos + r * D, st.sin + r * D);
-        // slot = block * block_size + offset, so the slot's cache row is slot * Hkv * D; block ids are
-        // range-checked by the runner once per step, as for the compiled graphs.
+        // slot = block * block_size + offset, so the slot's cache row is slot * Hkv * D (checked above).
         T* k_row = k_cache + st.slots[r] * kv_n;
         T* v_row = v_cache + st.slots[r] * kv_n;
         for (int64_t i = 0; i < kv_n; ++i) store(k_row + i, k[i]), store(v_row + i, v[i]);
@@ -234,7 +233,8 @@ int64_t step(const Shape& s, const Model& w, const int64_t* input_ids, const int
     int64_t m = rows;  // padding rows (slot -1) trail the real ones; they are not computed
     while (m > 0 && slots[m - 1] < 0) --m;
     for (int64_t r = 0; r < m; ++r)
-        if (input_ids[r] < 0 || input_ids[r] >= s.vocab || positions[r] < 0 || positions[r] >= s.max_positions)
+        if (input_ids[r] < 0 || input_ids[r] >= s.vocab || positions[r] < 0 || positions[r] >= s.max_positions ||
+            slots[r] < 0 || slots[r] >= s.num_blocks * s.block_size)
             return -1 - r;
     for (int64_t i = 0; i < num_logits; ++i)
         if (logits_indices[i] < 0 || logits_indices[i] >= m) return -1 - rows - i;
@@ -278,7 +278,7 @@ extern "C" {
 // Float32 logits [num_logits, vocab] of a decode step, one token per row, k/v of every layer written
 // into its KV cache at `slots`. seq_lens and tables (int32, [rows] and [rows, table_width]) are
 // AttentionMetadata's; logits_indices picks the rows that sample. Returns 0; or -1 - r where row r has
-// a token id or position out of range; or -1 - rows - i where logits_indices[i] is not a computed
+// a token id, position or slot out of range (a slot of -1 only in trailing padding rows); or -1 - rows - i where logits_indices[i] is not a computed
 // row; or the attention kernel's count of rows refused for a bad length or block id. Then logits is
 // not complete.
 #define STEP(suffix, T)                                                                                       \

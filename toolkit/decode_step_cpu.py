@@ -190,8 +190,8 @@ class DecodeStep:
             return (f"decode step: {bad} row(s) with a length past their block table or a block id outside "
                     f"[0, {self.cache_shape[1]})")
         if -1 - bad < rows:
-            return (f"decode step: row {-1 - bad} has a token id outside [0, {self.vocab}) or a position outside "
-                    f"[0, {self.shape.max_positions})")
+            return (f"decode step: row {-1 - bad} has a token id outside [0, {self.vocab}), a position outside "
+                    f"[0, {self.shape.max_positions}) or a KV slot outside the cache")
         return f"decode step: logits index {-1 - rows - bad} is not one of the step's tokens"
 
 

@@ -1,9 +1,10 @@
 """Builds the project's plain C++ CPU kernels and caches the shared libraries.
 
-Two kernels use it: decode attention (`attention/paged_decode_cpu.cpp`) and the panel linear
-(`toolkit/linear_cpu.cpp`). They have no torch headers, so each compiles in 2-3 s with the C++
-compiler that torch.compile already needs (`$CXX`, else `c++`); a CPU engine builds both at once
-when it starts (`build_all`), and `load` finds them built. A library is cached under
+Three kernels use it: decode attention (`attention/paged_decode_cpu.cpp`), the panel linear
+(`toolkit/linear_cpu.cpp`) and the decode step over both (`toolkit/decode_step_cpu.cpp`). They
+have no torch headers, so each compiles in 2-3 s with the C++ compiler that torch.compile already
+needs (`$CXX`, else `c++`); a CPU engine builds them at once when it starts (`build_all`), and
+`load` finds them built. A library is cached under
 `$TOOLKIT_CACHE/kernels` (default `~/.cache/toolkit/kernels`), keyed by the source, the flags, the
 compiler and this CPU's feature flags (it is built with -march=native). Loaded after torch, its
 OpenMP calls use torch's OpenMP runtime and thread count.

@@ -13,9 +13,11 @@ loops). Each decoder layer is `torch.compile`d with `fullgraph=True` unless `enf
 - On CPU the two graphs (mixed steps, decode-only steps) are precompiled and saved whole
   (`toolkit/precompiled.py`): a warm start loads them without re-tracing, and calls skip Dynamo's
   guards. Elsewhere, with TOOLKIT_PRECOMPILE=0, or where that fails, layers use `layer.compile`.
-- Decode-only steps get a graph of their own: there the torch backend calls the CPU decode kernel
-  (`attention/decode_cpu.py`, built before the first trace) or, off CPU, traces decode attention
-  into the graph (`attention/decode_torch.py`) instead of calling the opaque reference op.
+- Decode-only steps on CPU run the whole model as one C++ call (`toolkit/decode_step_cpu.py`),
+  installed over the eager or precompiled forward where it takes the model. Elsewhere they get a
+  graph of their own: there the torch backend calls the CPU decode kernel (`attention/decode_cpu.py`,
+  built before the first trace) or, off CPU, traces decode attention into the graph
+  (`attention/decode_torch.py`) instead of calling the opaque reference op.
 - CUDA: decode-only steps replay CUDA graphs captured per batch bucket (`toolkit.cuda_graphs`).
 """
 

@@ -17,7 +17,7 @@ import torch
 
 from attention import AttentionMetadata
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
-from toolkit import LLM, SamplingParams, decode_step_cpu
+from toolkit import LLM, SamplingParams, decode_step_cpu, precompiled
 
 BLOCK = 16
 SEQ_LENS = [5, 16, 40]  # a partial block, a full one, several blocks
@@ -156,8 +156,10 @@ def test_where_the_decode_step_is_installed(ckpt, monkeypatch, caplog):
     assert "KV caches for" in decode_step_cpu.unsupported(model, caches[:1])
 
 
-def test_compiled_engine_serves_decode_steps_with_it_and_gives_transformers_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precompile", ["1", "0"])  # saved graphs, or torch.compile's JIT path
+def test_compiled_engine_serves_decode_steps_with_it_and_gives_transformers_tokens(precompile, tmp_path, monkeypatch):
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    monkeypatch.setenv(precompiled.SWITCH, precompile)
     path = write_checkpoint(tmp_path / "qwen3", "qwen3", seed=5)
     prompts = random_prompts(4, seed=12, low=3, high=30)
     llm = LLM(str(path), dtype="float32", max_model_len=96, kv_cache_memory_bytes=1 << 22)
@@ -166,4 +168,7 @@ def test_compiled_engine_serves_decode_steps_with_it_and_gives_transformers_toke
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 10)
     runner = llm.engine.runner
     assert runner.decode_step is not None
-    assert runner.precompiled.sources == {"mixed": "compiled"}  # no decode-step graph was needed
+    if precompile == "1":
+        assert runner.precompiled.sources == {"mixed": "compiled"}  # no decode-step graph was needed
+    else:
+        assert runner.precompiled is None

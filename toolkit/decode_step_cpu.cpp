@@ -1,29 +1,31 @@
-// One decoder layer of a decode-only step on CPU, in one call: the layer's Python-free fast path.
+// A decode-only step on CPU in one call, token ids to logits: the model's Python-free fast path.
 //
-// Why: at batch 1 the layer's kernels read ~12.6 MB of weights (125M model, bf16) in ~0.55 ms at
+// Why: at batch 1 a layer's kernels read ~12.6 MB of weights (125M model, bf16) in ~0.55 ms at
 // this host's ~23 GB/s, and running them one op at a time from Python (a compiled graph's wrapper,
 // four linear ops, the attention op, their checks and allocations) added ~0.4-0.6 ms a layer on
 // top: ~40% of a batch-1 step. Here the same kernels run back to back: the panel linear
 // (toolkit/linear_cpu.cpp) and decode attention (attention/paged_decode_cpu.cpp), passed in as
 // function pointers from their own libraries, and the small steps between them written out.
 //
-// The math is the dense family's layer (toolkit/models/llama.py), which stays the reference:
-//   h = rmsnorm(x); q, k, v = split(h Wqkv^T + b); [q, k = rmsnorm per head (Qwen3)]; rope(q, k);
-//   write k, v to the paged cache; a = attention(q); x = x + a Wo^T + b;
-//   h = rmsnorm(x); g, u = split(h Wgu^T + b); x = x + (silu(g) * u) Wd^T + b.
+// The math is the dense family's model (toolkit/models/llama.py), which stays the reference:
+//   x = embed(ids); per layer:
+//     h = rmsnorm(x); q, k, v = split(h Wqkv^T + b); [q, k = rmsnorm per head (Qwen3)]; rope(q, k);
+//     write k, v to the paged cache; a = attention(q); x = x + a Wo^T + b;
+//     h = rmsnorm(x); g, u = split(h Wgu^T + b); x = x + (silu(g) * u) Wd^T + b;
+//   logits = rmsnorm(x) Wlm^T, for the rows that sample.
 // Intermediates are float32 rounded to the model's dtype where the reference stores a tensor of
 // that dtype (each linear's output, normalized rows, q/k/v, the residual sums); like Inductor's
 // fused kernels, a chain of elementwise steps is computed in float32 and rounded once. In float32
 // every rounding is the identity.
 //
 // Rows are one decode token each. Trailing rows with slot -1 are the runner's padding: they are
-// copied through and not computed (a batch-1 step's linears then read W for one row, not two).
+// not computed (a batch-1 step's linears then read W for one row, not two).
 // Built by attention/cpp_build.py with -O3 -march=native -ffast-math -fopenmp.
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
@@ -74,7 +76,7 @@ constexpr int F32 = 0;  // linear_cpu.cpp's Kind of float32 x and out
 
 extern "C" {
 
-// What the Python side (decode_layers_cpu.py) fills in once per layer; field order is its
+// What the Python side (decode_step_cpu.py) fills in once per layer; field order is its
 // ctypes.Structure's.
 struct Layer {
     const void* input_norm;  // [hidden], model dtype

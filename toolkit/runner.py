@@ -14,7 +14,7 @@ loops). Each decoder layer is `torch.compile`d with `fullgraph=True` unless `enf
   (`toolkit/precompiled.py`): a warm start loads them without re-tracing, and calls skip Dynamo's
   guards. Elsewhere, with TOOLKIT_PRECOMPILE=0, or where that fails, layers use `layer.compile`.
 - Decode-only steps on CPU run the whole model as one C++ call (`toolkit/decode_step_cpu.py`),
-  installed over the eager or precompiled forward where it takes the model. Elsewhere they get a
+  installed over the model's forward where it takes the model. Elsewhere they get a
   graph of their own: there the torch backend calls the CPU decode kernel (`attention/decode_cpu.py`,
   built before the first trace) or, off CPU, traces decode attention into the graph
   (`attention/decode_torch.py`) instead of calling the opaque reference op.
@@ -156,10 +156,10 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self.forward, self.kv_caches, max_num_seqs, max_blocks, device, attention_backend)
 
     def _install_decode_step(self):
-        """Decode-only steps through C++ (toolkit/decode_step_cpu.py) where it takes the model; it wraps
-        what runs otherwise, the eager forward or the precompiled layer graphs. (Under `layer.compile`
-        the JIT path keeps its graphs for every step: not measured with it.)"""
-        if not (self.enforce_eager or self.precompiled) or os.environ.get(decode_step_cpu.SWITCH, "1") == "0":
+        """Decode-only steps through C++ (toolkit/decode_step_cpu.py) where it takes the model. It wraps
+        the model's forward, which is never compiled itself, so whatever runs the layers otherwise
+        (eager, precompiled or `layer.compile`d) serves the other steps."""
+        if os.environ.get(decode_step_cpu.SWITCH, "1") == "0":
             return None
         reason = decode_step_cpu.unsupported(self.model, self.kv_caches)
         if reason is None and decode_step_cpu._library() is None:

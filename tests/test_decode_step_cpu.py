@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from attention import AttentionMetadata
+from scheduling import ScheduledRequest
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
 from toolkit import LLM, SamplingParams, decode_step_cpu, precompiled
 
@@ -115,8 +116,24 @@ def test_steps_it_does_not_take_run_the_forward_it_wrapped(ckpt, monkeypatch):
     meta.decode_only = False  # a mixed step (here every request happens to feed one token)
     torch.testing.assert_close(_decode(runner, *step, reference=False)[0], reference)
     meta.decode_only = True
-    meta.seq_lens = meta.seq_lens.long()  # not what prepare() builds: left to the reference
+    meta.seq_lens = meta.seq_lens.long()  # not what prepare() builds
+    with pytest.raises(RuntimeError, match="not what the runner's prepare"):  # the runner's: strict
+        _decode(runner, *step, reference=False)
+    monkeypatch.setattr(runner.decode_step, "strict", False)  # as for a model wrapped outside a runner
     torch.testing.assert_close(_decode(runner, *step, reference=False)[0], reference)
+
+
+def test_prepare_hands_it_decode_steps_unpadded_and_other_steps_padded(ckpt, monkeypatch):
+    _, path = ckpt
+    monkeypatch.setenv(precompiled.SWITCH, "0")  # compiled mode, without compiling anything here
+    runner = LLM(str(path), dtype="float32", max_model_len=128, block_size=BLOCK).engine.runner
+    decode = runner.prepare([ScheduledRequest("a", [5], 9, [0], True)])
+    assert decode.decode_only and decode.input_ids.shape == (1,) and decode.meta.seq_lens.shape == (1,)
+    mixed = runner.prepare([ScheduledRequest("a", [5], 0, [0], False)])  # a 1-token prefill chunk
+    assert not mixed.decode_only and mixed.input_ids.shape == (2,)  # padded to MIN_BUCKET for the graphs
+    monkeypatch.setenv(decode_step_cpu.SWITCH, "0")
+    runner = LLM(str(path), dtype="float32", max_model_len=128, block_size=BLOCK).engine.runner
+    assert runner.prepare([ScheduledRequest("a", [5], 9, [0], True)]).input_ids.shape == (2,)
 
 
 def test_bad_rows_raise_index_error(ckpt):

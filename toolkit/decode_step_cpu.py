@@ -108,7 +108,8 @@ def _unsupported_layer(layer, kv_cache) -> str | None:
 class DecodeStep:
     """Runs decode-only steps of the model it is installed on through C++: token ids to logits."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor]):
+    def __init__(self, model, kv_caches: list[torch.Tensor], strict: bool = False):
+        self.strict = strict  # a decode-only step it cannot take raises instead of running `forward`
         lib = _library()
         if lib is None:
             raise RuntimeError("the CPU decode-step kernel is unavailable (see the warning)")
@@ -161,8 +162,12 @@ class DecodeStep:
         model.forward = functools.partial(_run, index, model.forward)
 
     def __call__(self, forward, input_ids, positions, kv_caches, meta, logits_indices):
-        if not (meta.decode_only and kv_caches is self.kv_caches and self._takes(input_ids, positions, meta,
-                                                                                  logits_indices)):
+        if not meta.decode_only:
+            return forward(input_ids, positions, kv_caches, meta, logits_indices)
+        if not (kv_caches is self.kv_caches and self._takes(input_ids, positions, meta, logits_indices)):
+            if self.strict:
+                raise RuntimeError("decode step: a decode-only step that is not what the runner's prepare() builds "
+                                   "(a bug: please report)")
             return forward(input_ids, positions, kv_caches, meta, logits_indices)
         rows, tables = input_ids.shape[0], meta.block_tables
         logits = torch.empty(logits_indices.shape[0], self.vocab)
@@ -174,15 +179,17 @@ class DecodeStep:
         return logits
 
     def _takes(self, input_ids, positions, meta, logits_indices) -> bool:
-        """The tensors the runner's prepare() builds; anything else is left to the reference."""
-        rows = input_ids.shape[0]
-        return (meta.backend == "torch"
-                and all(t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() and t.shape == (rows,)
-                        for t in (input_ids, positions, meta.slot_mapping))
-                and all(t.dtype == torch.int32 and t.is_contiguous() and t.shape[0] == rows
-                        for t in (meta.seq_lens, meta.block_tables))
-                and meta.block_tables.dim() == 2
-                and logits_indices.dtype == torch.int64 and logits_indices.dim() == 1 and logits_indices.is_contiguous()
+        """The tensors the runner's prepare() builds; anything else is left to the reference. (Spelled
+        out, not looped: this runs once per step, in cold caches.)"""
+        rows, ids, pos, slots = input_ids.shape[0], input_ids, positions, meta.slot_mapping
+        lens, tables, i64, i32 = meta.seq_lens, meta.block_tables, torch.int64, torch.int32
+        return (meta.backend == "torch" and ids.device.type == "cpu"
+                and ids.dtype == i64 and pos.dtype == i64 and slots.dtype == i64 and logits_indices.dtype == i64
+                and lens.dtype == i32 and tables.dtype == i32
+                and ids.shape == pos.shape == slots.shape == lens.shape == (rows,)
+                and tables.dim() == 2 and tables.shape[0] == rows and logits_indices.dim() == 1
+                and ids.is_contiguous() and pos.is_contiguous() and slots.is_contiguous() and lens.is_contiguous()
+                and tables.is_contiguous() and logits_indices.is_contiguous()
                 and all(a is b for a, b in zip(self.kv_caches, self._caches)))
 
     def _error(self, bad: int, rows: int) -> str:

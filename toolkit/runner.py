@@ -167,7 +167,9 @@ class ModelRunner:
         if reason is not None:
             log.info("decode steps run the decoder layers one by one, not in C++: %s", reason)
             return None
-        decode_step = decode_step_cpu.DecodeStep(self.model, self.kv_caches)
+        # Strict: prepare() leaves the decode-only steps it hands over unpadded and unmarked, which no
+        # layer graph may see, so a step the C++ path refused would be a bug, not a fallback.
+        decode_step = decode_step_cpu.DecodeStep(self.model, self.kv_caches, strict=True)
         decode_step.install(self.model)
         return decode_step
 
@@ -221,7 +223,9 @@ class ModelRunner:
 
         input_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in scheduled), np.int64, num_tokens)
         decode_only = num_tokens == len(scheduled) and bool(sampled.all())
-        padded = num_tokens if self.enforce_eager else self._bucket(num_tokens)
+        # Padding and unbacked sizes serve the compiled graphs; the C++ decode step takes any size.
+        for_graphs = not self.enforce_eager and not (decode_only and self.decode_step is not None)
+        padded = self._bucket(num_tokens) if for_graphs else num_tokens
         pad = padded - num_tokens
         if pad:
             input_ids = np.concatenate([input_ids, np.zeros(pad, np.int64)])
@@ -244,7 +248,7 @@ class ModelRunner:
             decode_only=decode_only,
         )
         logits_indices = to(logits_indices, torch.int64)
-        if not self.enforce_eager:
+        if for_graphs:
             _mark_sizes_unbacked(meta, logits_indices, rows_are_tokens=decode_only)
         return StepInputs(to(input_ids, torch.int64), to(positions, torch.int64), meta, logits_indices,
                           num_tokens, decode_only)

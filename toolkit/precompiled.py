@@ -13,7 +13,8 @@ saved there. Calls skip Dynamo's guards: this class picks the graph by step kind
 key holds everything the guards would check that can change between runs (the layer's structure and
 constants, dtype, KV cache shape, attention backend, kernel availability, torch version, CPU, the
 toolkit's own sources). The runner's prepare() upholds the rest: token counts padded to at least
-MIN_BUCKET and the same dynamic-size markings on every step.
+MIN_BUCKET and the same dynamic-size markings on every step that reaches the graphs (decode steps
+for the C++ decode step, toolkit/decode_step_cpu.py, are neither).
 
 `aot_compile` is experimental in torch 2.13. Where it fails, or `TOOLKIT_PRECOMPILE=0`, layers fall
 back to the JIT path with one warning; a file that does not load is compiled again and replaced.

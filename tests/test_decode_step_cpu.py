@@ -164,7 +164,8 @@ def test_where_the_decode_step_is_installed(ckpt, monkeypatch, caplog):
     monkeypatch.delenv(decode_step_cpu.SWITCH)
     with caplog.at_level(logging.INFO, logger="toolkit"):
         assert _runner(path, prepack_weights=False).decode_step is None  # plain nn.Linear weights
-    assert "not a panel linear" in caplog.text
+        assert _runner(path, attention_backend="triton").decode_step is None
+    assert "not a panel linear" in caplog.text and "the triton attention backend" in caplog.text
     runner = _runner(path)
     model, caches = runner.model, runner.kv_caches
     assert decode_step_cpu.unsupported(model, caches) is None

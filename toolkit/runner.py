@@ -162,6 +162,8 @@ class ModelRunner:
         if os.environ.get(decode_step_cpu.SWITCH, "1") == "0":
             return None
         reason = decode_step_cpu.unsupported(self.model, self.kv_caches)
+        if self.attention_backend != "torch":  # the C++ path is the torch backend's math, on its cache layout
+            reason = f"the {self.attention_backend} attention backend was chosen"
         if reason is None and decode_step_cpu._library() is None:
             reason = "the kernel is unavailable"
         if reason is not None:

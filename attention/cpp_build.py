@@ -4,9 +4,10 @@ Three kernels use it: decode attention (`attention/paged_decode_cpu.cpp`), the p
 (`toolkit/linear_cpu.cpp`) and the decode step over both (`toolkit/decode_step_cpu.cpp`). They
 have no torch headers, so each compiles in 2-3 s with the C++ compiler that torch.compile already
 needs (`$CXX`, else `c++`); a CPU engine builds them at once when it starts (`build_all`), and
-`load` finds them built. A library is cached under
-`$TOOLKIT_CACHE/kernels` (default `~/.cache/toolkit/kernels`), keyed by the source, the flags, the
-compiler and this CPU's feature flags (it is built with -march=native). Loaded after torch, its
+`load` finds them built. A library is cached under `$TOOLKIT_CACHE/kernels` (default
+`~/.cache/toolkit/kernels`), keyed by the source and the local headers it includes
+(`toolkit/half_float.h`), the flags, the compiler and this CPU's feature flags (it is built with
+-march=native). Loaded after torch, its
 OpenMP calls use torch's OpenMP runtime and thread count.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -43,13 +45,19 @@ def cpu_flags() -> str:
         return ""
 
 
+def _texts(source: Path) -> list[str]:
+    """The source and the local headers it includes (`#include "name.h"`, beside it; one level)."""
+    text = source.read_text()
+    return [text, *((source.parent / name).read_text() for name in re.findall(r'^#include "([^"]+)"', text, re.M))]
+
+
 def build(source: Path, compiler: str | None = None) -> Path:
     """Compile `source` (or find it already compiled) and return the shared library's path."""
     compiler = compiler or os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = "\0".join([source.read_text(), *FLAGS, *LINK_FLAGS, version, cpu_flags()])
+    key = "\0".join([*_texts(source), *FLAGS, *LINK_FLAGS, version, cpu_flags()])
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():

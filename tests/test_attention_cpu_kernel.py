@@ -4,6 +4,8 @@ The batches are test_attention's: shuffled block ids and garbage in every slot a
 own, including the tail rows of each request's last block, which the kernel computes and must ignore.
 """
 
+import ctypes
+
 import pytest
 import torch
 
@@ -104,6 +106,18 @@ def test_build_is_cached_per_source_and_reports_a_missing_compiler(tmp_path, mon
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary files left behind
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         decode_cpu.build(compiler="no-such-compiler-xyz")
+
+
+def test_a_changed_local_header_rebuilds_the_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    (tmp_path / "value.h").write_text("inline int value() { return 1; }\n")
+    source = tmp_path / "uses_header.cpp"
+    source.write_text('#include "value.h"\nextern "C" int f() { return value(); }\n')
+    first = cpp_build.build(source)
+    assert ctypes.CDLL(str(first)).f() == 1
+    (tmp_path / "value.h").write_text("inline int value() { return 2; }\n")
+    second = cpp_build.build(source)
+    assert second != first and ctypes.CDLL(str(second)).f() == 2
 
 
 def test_build_all_builds_what_is_switched_on_and_leaves_failures_to_load(tmp_path, monkeypatch):

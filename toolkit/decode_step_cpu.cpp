@@ -30,37 +30,16 @@
 
 #include <omp.h>
 
+#include "half_float.h"  // f16, to_float, put
+
 namespace {
-
-typedef _Float16 f16;  // IEEE half; bfloat16 is stored as uint16_t
-
-inline float widen(float v) { return v; }
-inline float widen(f16 v) { return float(v); }
-inline float widen(uint16_t v) {
-    const uint32_t bits = uint32_t(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-inline void store(float* p, float v) { *p = v; }
-inline void store(f16* p, float v) { *p = f16(v); }
-inline void store(uint16_t* p, float v) {  // round to nearest even, NaN kept, as torch's float -> bfloat16
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
-        *p = uint16_t((bits >> 16) | 0x40);
-        return;
-    }
-    *p = uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 // v as the nearest value of type T holds (what storing it in a T tensor and reading it back gives).
 template <typename T>
 inline float rounded(float v) {
     T t;
-    store(&t, v);
-    return widen(t);
+    put(&t, v);
+    return to_float(t);
 }
 
 // The kernels' C entry points (linear_<dtype> and paged_decode_<dtype>), with the weight and cache
@@ -121,10 +100,10 @@ void rmsnorm(const X* x, const T* weight, float eps, float* out, int64_t rows, i
     for (int64_t r = 0; r < rows; ++r) {
         const X* xr = x + r * n;
         float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) sum += widen(xr[i]) * widen(xr[i]);
+        for (int64_t i = 0; i < n; ++i) sum += to_float(xr[i]) * to_float(xr[i]);
         const float inv = 1.f / std::sqrt(sum / float(n) + eps);
         for (int64_t i = 0; i < n; ++i)
-            out[r * n + i] = rounded<T>(widen(weight[i]) * rounded<T>(widen(xr[i]) * inv));
+            out[r * n + i] = rounded<T>(to_float(weight[i]) * rounded<T>(to_float(xr[i]) * inv));
     }
 }
 
@@ -198,7 +177,7 @@ int layer(const Shape& s, const Layer& w, const Step<T>& st, const T* x, T* out,
         // slot = block * block_size + offset, so the slot's cache row is slot * Hkv * D (checked above).
         T* k_row = k_cache + st.slots[r] * kv_n;
         T* v_row = v_cache + st.slots[r] * kv_n;
-        for (int64_t i = 0; i < kv_n; ++i) store(k_row + i, k[i]), store(v_row + i, v[i]);
+        for (int64_t i = 0; i < kv_n; ++i) put(k_row + i, k[i]), put(v_row + i, v[i]);
         std::memcpy(q_dense + r * q_n, q, q_n * sizeof(float));
     }
     const int bad = attention(q_dense, k_cache, v_cache, st.seq_lens, st.tables, att, (int)m, (int)Hq, (int)Hkv,
@@ -208,7 +187,7 @@ int layer(const Shape& s, const Layer& w, const Step<T>& st, const T* x, T* out,
 
     float* o = qkv;  // q/k/v are spent
     linear(att, F32, q_n, w.o, w.o_bias, o, F32, m, H, q_n);
-    for (int64_t i = 0; i < m * H; ++i) store(out + i, widen(x[i]) + rounded<T>(o[i]));
+    for (int64_t i = 0; i < m * H; ++i) put(out + i, to_float(x[i]) + rounded<T>(o[i]));
 
     rmsnorm(out, static_cast<const T*>(w.post_norm), s.eps, h, m, H);
     linear(h, F32, H, w.gate_up, w.gate_up_bias, gu, F32, m, 2 * I, H);
@@ -221,7 +200,7 @@ int layer(const Shape& s, const Layer& w, const Step<T>& st, const T* x, T* out,
         }
     float* d = qkv;
     linear(act, F32, 2 * I, w.down, w.down_bias, d, F32, m, H, I);
-    for (int64_t i = 0; i < m * H; ++i) store(out + i, widen(out[i]) + rounded<T>(d[i]));
+    for (int64_t i = 0; i < m * H; ++i) put(out + i, to_float(out[i]) + rounded<T>(d[i]));
     return 0;
 }
 

@@ -23,6 +23,8 @@
 #include <memory>
 
 #include <omp.h>
+
+#include "half_float.h"  // f16, to_float, put
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
@@ -40,10 +42,6 @@ inline void widen(const float* __restrict p, vec8& lo, vec8& hi) {
     std::memcpy(&lo, p, sizeof lo);
     std::memcpy(&hi, p + 8, sizeof hi);
 }
-
-// IEEE half: gcc's _Float16 (a distinct type from bf16's uint16_t storage; conversions round to
-// nearest even and keep NaN and inf).
-typedef _Float16 f16;
 
 inline void widen(const f16* __restrict p, vec8& lo, vec8& hi) {
 #ifdef __F16C__
@@ -64,19 +62,6 @@ inline void widen(const uint16_t* __restrict p, vec8& lo, vec8& hi) {
     const u32x8 a = v << 16, b = v & 0xFFFF0000u;
     std::memcpy(&lo, &a, sizeof lo);
     std::memcpy(&hi, &b, sizeof hi);
-}
-
-inline void put(float* p, float v) { *p = v; }
-inline void put(f16* p, float v) { *p = f16(v); }
-
-inline void put(uint16_t* p, float v) {  // round to nearest even, as torch's float -> bfloat16
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {  // NaN stays a (quiet) NaN
-        *p = uint16_t((bits >> 16) | 0x40);
-        return;
-    }
-    *p = uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // R rows x 16 columns over all of K. Each accumulator is a chain of dependent FMAs; with few rows,
@@ -176,13 +161,6 @@ void pack(const W* w, int64_t N, int64_t K, W* panels) {
 // Element kinds of x and out, as the Python side passes them.
 enum Kind { F32 = 0, BF16 = 1, F16 = 2 };
 
-inline float to_float(uint16_t bf16) {
-    const uint32_t bits = uint32_t(bf16) << 16;
-    float v;
-    std::memcpy(&v, &bits, sizeof v);
-    return v;
-}
-inline float to_float(f16 h) { return float(h); }
 
 // x [M, K] (rows x_stride apart) widened to a contiguous float32 copy.
 template <typename H>

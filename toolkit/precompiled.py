@@ -56,7 +56,7 @@ def _sources_digest() -> str:
     h = hashlib.sha256()
     for root in _SOURCE_ROOTS:
         for path in sorted((repo / root).rglob("*")):
-            if path.suffix in (".py", ".cpp") and path.is_file():
+            if path.suffix in (".py", ".cpp", ".h") and path.is_file():
                 h.update(str(path.relative_to(repo)).encode())
                 h.update(path.read_bytes())
     return h.hexdigest()

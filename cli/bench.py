@@ -25,7 +25,7 @@ from cli.bench_metrics import combine_throughput, decode_metrics, latency_metric
 from cli.bench_model import SHAPES, resolve_model
 from cli.bench_report import build_rows, render_table, report_json
 from cli.bench_roofline import (
-    best_of_probes, compute_peak, decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
+    bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
     workload_flops,
 )
 from cli.bench_systems import BenchError, HFSystem, OursSystem, VLLMSystem, python_of
@@ -200,8 +200,9 @@ def _run(command: str, o: dict) -> None:
     err = Console(stderr=True)
     machine = machine_info()
     err.print(f"[dim]measuring the roofline: {dtype_name} matmul peak and memory bandwidth...[/]")
+    probe = lambda: memory_bandwidth(o["bandwidth_mib"] * 2**20)  # noqa: E731
     peak = matmul_peak(dtype, n=o["peak_matmul_size"])
-    bandwidth = memory_bandwidth(o["bandwidth_mib"] * 2**20)
+    bandwidth = probe()
     # The other dtype's peak too: which dtype is this CPU's fast path is worth seeing next to the figures.
     other = torch.float32 if dtype != torch.float32 else torch.bfloat16
     other_peak = matmul_peak(other, n=o["peak_matmul_size"])
@@ -236,7 +237,7 @@ def _run(command: str, o: dict) -> None:
                 res = {"kind": "ours", "startup": startup(system.label, lambda: system.start(warm))}
                 first_raw[system.label] = _run_mode(command, system, requests, concurrency, phase, res)
                 if decode_req:
-                    res["decode_timing"] = system.decode(decode_req, phase)
+                    res["decode_timing"], res["decode_bandwidth"] = _beside(probe, lambda: system.decode(decode_req, phase))
                 if command == "throughput" and o.get("profile") and profile_result is None:
                     profile_result = system.profile(requests[: o["profile_requests"]], phase)
                     profile_result["system"] = system.label
@@ -252,7 +253,7 @@ def _run(command: str, o: dict) -> None:
                 res = {"kind": "peer", "startup": startup(system.label, lambda: system.start(warm))}
                 _run_mode(command, system, requests, concurrency, phase, res)
                 if decode_req:
-                    res["decode_timing"] = system.decode(decode_req, phase)
+                    res["decode_timing"], res["decode_bandwidth"] = _beside(probe, lambda: system.decode(decode_req, phase))
                 results[system.label] = res
                 _say(bar, system.label, res, partial, results)
                 peer_labels.append(system.label)
@@ -263,7 +264,7 @@ def _run(command: str, o: dict) -> None:
                                     eager=o["vllm_eager"], max_model_len=max_model_len,
                                     max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"])
                 raw = system.run(mode=command, requests=requests, warm=warm, concurrency=concurrency,
-                                 decode=decode_req, phase=phase)
+                                 decode=decode_req, phase=phase, probe=probe)
                 res = {"kind": "peer", "startup": raw["startup"], "version": raw.get("version")}
                 if command == "throughput":
                     res["throughput"] = raw["throughput"]
@@ -272,7 +273,7 @@ def _run(command: str, o: dict) -> None:
                     res["latency"] = latency_metrics(lat["timings"], lat["duration_s"])
                     res["latency"]["concurrency"] = concurrency
                 if raw.get("decode"):
-                    res["decode_timing"] = raw["decode"]
+                    res["decode_timing"], res["decode_bandwidth"] = raw["decode"], raw.get("decode_bandwidth")
                 label = f"vLLM {raw.get('version', '')}".strip()
                 results[label] = res
                 _say(bar, label, res, partial, results)
@@ -282,7 +283,7 @@ def _run(command: str, o: dict) -> None:
                 after = lambda description, total: phase(f"{description} (after the peers)", total)  # noqa: E731
                 raw = _run_mode(command, system, requests, concurrency, after, again)
                 if decode_req:
-                    again["decode_timing"] = system.decode(decode_req, after)
+                    again["decode_timing"], again["decode_bandwidth"] = _beside(probe, lambda: system.decode(decode_req, after))
                 _merge_rounds(command, results[system.label], again, concurrency, (first_raw[system.label], raw))
                 _say(bar, f"{system.label}, both runs", results[system.label], partial, results)
             kept.clear()
@@ -294,7 +295,9 @@ def _run(command: str, o: dict) -> None:
     peak = best_of_probes(peak, matmul_peak(dtype, n=o["peak_matmul_size"]))
     if other == torch.float32:  # it may be the roofline (compute_peak): the best of two readings, as the dtype's
         other_peak = best_of_probes(other_peak, matmul_peak(other, n=o["peak_matmul_size"]))
-    bandwidth = best_of_probes(bandwidth, memory_bandwidth(o["bandwidth_mib"] * 2**20))
+    # The probes beside the decode runs count too: the run's best reading is the best of them all.
+    beside = [b for res in results.values() for b in _listed(res.get("decode_bandwidth")) if b is not None]
+    bandwidth = best_of_probes(bandwidth, probe(), *beside)
     flops = workload_flops(mc, requests)
     roof = compute_peak(peak, other_peak)
     for res in results.values():
@@ -302,13 +305,12 @@ def _run(command: str, o: dict) -> None:
         if elapsed:
             res["roofline"] = {"useful_flops": flops, "gflops_per_s": flops / elapsed / 1e9,
                                "peak_fraction_pct": 100 * flops / elapsed / roof["flops_per_s"]}
-        timing = res.pop("decode_timing", None)
+        timing, beside = res.pop("decode_timing", None), res.pop("decode_bandwidth", None)
         d = decode_metrics(timing) if timing is not None else None
         if d is not None and d["decode_tokens_per_s"]:
             context = d["prompt_len"] + d["output_tokens"] / 2  # mean context over the decode steps
-            per_token = decode_bytes_per_token(mc, dtype_bytes(dtype), context)
-            d["bytes_per_token"] = per_token
-            d["bandwidth_fraction_pct"] = 100 * per_token * d["decode_tokens_per_s"] / bandwidth["read_bytes_per_s"]
+            d["bytes_per_token"] = decode_bytes_per_token(mc, dtype_bytes(dtype), context)
+            d.update(_bandwidth_fractions(d["bytes_per_token"], timing, beside, bandwidth))
             res["decode"] = d
 
     rows = build_rows(command, results, ours_labels, peer_labels)
@@ -368,6 +370,34 @@ def _run_mode(command: str, system, requests, concurrency: int, phase, res: dict
     return None
 
 
+def _beside(probe, run):
+    """run() between two bandwidth probes; returns its result and the best of the two readings."""
+    before = probe()
+    out = run()
+    return out, best_of_probes(before, probe())
+
+
+def _bandwidth_fractions(per_token: float, timing, beside, whole_run: dict) -> dict:
+    """The decode runs' fraction of the whole run's best read bandwidth, and of the best reading
+    beside each run (where that was probed: every system of ours and transformers, vLLM's worker
+    when it waits for the probes)."""
+    runs = _listed(timing)
+    tokens_s = [(t.output_len - 1, t.e2el - t.ttft) for t in runs if t.output_len > 1]
+    out = {"bandwidth_fraction_pct": bandwidth_fraction(per_token, [(n, s, whole_run["read_bytes_per_s"]) for n, s in tokens_s])}
+    probes = _listed(beside)
+    if probes and len(probes) == len(runs) and all(p is not None for p in probes):
+        rates = [p["read_bytes_per_s"] for t, p in zip(runs, probes) if t.output_len > 1]
+        out["bandwidth_beside"] = [{"read_bytes_per_s": p["read_bytes_per_s"], "samples": p["read_bytes_per_s_samples"]}
+                                   for p in probes]
+        out["bandwidth_fraction_beside_pct"] = bandwidth_fraction(per_token, [(n, s, r) for (n, s), r in zip(tokens_s, rates)])
+    return out
+
+
+def _listed(x) -> list:
+    """A decode run's timing or probe, or a bracketed pair of them, as a list (None: none)."""
+    return [] if x is None else x if isinstance(x, list) else [x]
+
+
 def _merge_rounds(command: str, res: dict, again: dict, concurrency: int, raws: tuple) -> None:
     """Our two timed runs (before and after the peers) as one system's figures; see --bracket.
     raws: each run's (timings, duration) in latency mode."""
@@ -382,6 +412,7 @@ def _merge_rounds(command: str, res: dict, again: dict, concurrency: int, raws: 
                                   for run in runs]
     if "decode_timing" in again:
         res["decode_timing"] = [res["decode_timing"], again["decode_timing"]]
+        res["decode_bandwidth"] = [res.get("decode_bandwidth"), again.get("decode_bandwidth")]
 
 
 def _say(bar: Progress, label: str, res: dict, partial: Path | None = None, results: dict | None = None) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from cli.bench_metrics import RequestTiming, throughput_metrics
+from cli.bench_roofline import best_of_probes
 from cli.bench_workload import BenchRequest, hf_batches
 
 Advance = Callable[[int], None]
@@ -319,20 +320,26 @@ class VLLMSystem:
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
     def run(self, *, mode: str, requests: list[BenchRequest], warm: BenchRequest, concurrency: int,
-            decode: BenchRequest | None, phase: Phase, timeout_s: float | None = None) -> dict:
-        """Start-up, the mode's run and the decode run, all in one subprocess (one start-up paid)."""
+            decode: BenchRequest | None, phase: Phase, timeout_s: float | None = None,
+            probe: Callable[[], dict] | None = None) -> dict:
+        """Start-up, the mode's run and the decode run, all in one subprocess (one start-up paid).
+
+        With `probe`, the worker waits before and after its decode run while we call it (a bandwidth
+        probe, taken with vLLM idle); the best of the two readings is the result's "decode_bandwidth".
+        """
         if not self.python.is_file():
             raise BenchError(f"--peer-python {self.python} does not exist")
         pack = lambda r: {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len}  # noqa: E731
         spec = dict(self.config, mode=mode, concurrency=concurrency, warm=pack(warm),
-                    requests=[pack(r) for r in requests], decode=pack(decode) if decode else None)
+                    requests=[pack(r) for r in requests], decode=pack(decode) if decode else None,
+                    wait_for_probes=probe is not None)
         with tempfile.TemporaryDirectory(prefix="toolkit-bench-vllm-") as tmp:
             spec_path, log_path = Path(tmp) / "spec.json", Path(tmp) / "vllm.log"
             spec_path.write_text(json.dumps(spec))
-            result, advance = None, no_progress("", 0)
+            result, advance, probes = None, no_progress("", 0), []
             with open(log_path, "w") as log:
-                proc = subprocess.Popen([str(self.python), str(WORKER), str(spec_path)], stdout=subprocess.PIPE,
-                                        stderr=log, text=True, env=vllm_env(), cwd=tmp)
+                proc = subprocess.Popen([str(self.python), str(WORKER), str(spec_path)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=log, text=True, env=vllm_env(), cwd=tmp)
                 try:
                     for line in proc.stdout:
                         try:
@@ -345,6 +352,10 @@ class VLLMSystem:
                             advance = phase(f"{self.label}: {event['name']}", event["total"])
                         elif event.get("event") == "advance":
                             advance(event.get("n", 1))
+                        elif event.get("event") == "probe" and probe is not None:
+                            probes.append(probe())
+                            proc.stdin.write("\n")  # go on
+                            proc.stdin.flush()
                         elif event.get("event") == "result":
                             result = event["result"]
                     proc.wait(timeout=timeout_s)
@@ -359,6 +370,8 @@ class VLLMSystem:
             result["latency"]["timings"] = [RequestTiming.from_json(t) for t in result["latency"]["timings"]]
         if result.get("decode"):
             result["decode"] = RequestTiming.from_json(result["decode"])
+            if len(probes) == 2:
+                result["decode_bandwidth"] = best_of_probes(*probes)
         return result
 
 

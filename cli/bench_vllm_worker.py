@@ -23,6 +23,13 @@ def emit(**event) -> None:
     sys.stdout.flush()
 
 
+def wait_for_probe(spec: dict) -> None:
+    """Stand still while the parent probes memory bandwidth beside the decode run; it writes a line when done."""
+    if spec.get("wait_for_probes"):
+        emit(event="probe")
+        sys.stdin.readline()
+
+
 def main(spec_path: str) -> None:
     spec = json.load(open(spec_path))
     import vllm
@@ -122,7 +129,9 @@ def main(spec_path: str) -> None:
         timings, duration = stepped(reqs, spec["concurrency"], "latency")
         result["latency"] = {"timings": timings, "duration_s": duration}
     if spec.get("decode"):
+        wait_for_probe(spec)
         timings, _ = stepped([spec["decode"]], 1, "batch-1 decode")
+        wait_for_probe(spec)
         result["decode"] = timings[0]
     emit(event="result", result=result)
 

@@ -24,7 +24,7 @@ from cli.bench_metrics import (
 )
 from cli.bench_model import shape_config_only
 from cli.bench_report import HIGHER, LOWER, build_rows, render_table, report_json
-from cli.bench_roofline import best_of_probes, compute_peak, decode_bytes_per_token, layer_linear_params, request_flops
+from cli.bench_roofline import bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, layer_linear_params, request_flops
 from cli.bench_systems import BenchError, VLLMSystem, python_of
 from cli.bench_workload import BenchRequest, hf_batches, load_dataset, random_workload, workload_summary
 from tests.checkpoints import VOCAB, write_checkpoint
@@ -149,6 +149,7 @@ def test_two_latency_runs_pool_their_requests():
     assert lat["ttft_ms"]["mean"] == pytest.approx(1000 * (0.1 + 0.3 + 0.2) / 3)
     assert [r["duration_s"] for r in lat["runs"]] == [1.0, 2.0]
     assert res["decode_timing"] == [first[0], second[0]]
+    assert res["decode_bandwidth"] == [None, None]  # no probes beside these runs: no fraction beside them
 
 
 def test_timing_json_round_trip():
@@ -323,6 +324,36 @@ def test_vllm_worker_protocol_progress_and_result(tmp_path, monkeypatch):
     assert out["latency"]["timings"][0].output_len == 3 and out["decode"].tpot == pytest.approx(0.1 / 2)
 
 
+def test_vllm_worker_waits_while_we_probe_beside_its_decode_run(tmp_path, monkeypatch):
+    # The worker goes on only after a line on stdin, and reports what it saw between the two waits.
+    body = (
+        "import json, sys\n"
+        "def wait():\n"
+        "    print(json.dumps({'event': 'probe'}), flush=True)\n"
+        "    if sys.stdin.readline() != '\\n':\n"
+        "        sys.exit(4)\n"
+        "spec = json.load(open(sys.argv[1]))\n"
+        "assert spec['wait_for_probes'] is True\n"
+        "wait()\n"
+        "t = {'arrival': 0.0, 'prompt_len': 2, 'chunks': [[0.5, 1], [0.6, 2]]}\n"
+        "wait()\n"
+        "print(json.dumps({'event': 'result', 'result': {'version': 'x', 'startup': {'total_s': 1.0},"
+        " 'throughput': {}, 'decode': t}}))\n"
+    )
+    monkeypatch.setattr("cli.bench_systems.WORKER", fake_worker(tmp_path, body))
+    readings = iter([{"bytes": 8, "read_bytes_per_s": 20e9}, {"bytes": 8, "read_bytes_per_s": 23e9}])
+    calls = []
+    probe = lambda: calls.append(1) or next(readings)  # noqa: E731
+    system = VLLMSystem(tmp_path, python=Path(sys.executable), dtype="bfloat16", eager=False, max_model_len=64,
+                        max_num_seqs=8, max_num_batched_tokens=64)
+    req = BenchRequest([5, 6], 3)
+    out = system.run(mode="throughput", requests=[req], warm=BenchRequest([5, 6], 2), concurrency=0, decode=req,
+                     phase=lambda name, total: (lambda n=1: None), probe=probe)
+    assert len(calls) == 2
+    assert out["decode_bandwidth"]["read_bytes_per_s"] == 23e9
+    assert out["decode_bandwidth"]["read_bytes_per_s_samples"] == [20e9, 23e9]
+
+
 def test_vllm_worker_failure_reports_its_log(tmp_path, monkeypatch):
     monkeypatch.setattr("cli.bench_systems.WORKER", fake_worker(tmp_path, "import sys\nsys.stderr.write('no vllm here')\nsys.exit(3)\n"))
     system = VLLMSystem(tmp_path, python=Path(sys.executable), dtype="bfloat16", eager=False, max_model_len=64,
@@ -368,6 +399,18 @@ def test_throughput_end_to_end_with_hf_peer(tiny, tmp_path):
     assert ours["throughput"]["output_tokens"] == hf["throughput"]["output_tokens"] == want_out
     assert hf["throughput"]["generated_tokens"] >= want_out
     assert ours["decode"]["output_tokens"] == hf["decode"]["output_tokens"] == 4
+    # Each decode run (ours twice, bracketed) is also held to the bandwidth probed just beside it.
+    beside = [b["read_bytes_per_s"] for b in ours["decode"]["bandwidth_beside"]]
+    assert len(beside) == 2 and all(len(b["samples"]) == 2 for b in ours["decode"]["bandwidth_beside"])
+    tokens_s = [(4 - 1) / rate for rate in ours["decode"]["runs_decode_tokens_per_s"]]  # seconds of each run
+    bound_s = sum(3 * ours["decode"]["bytes_per_token"] / b for b in beside)
+    assert ours["decode"]["bandwidth_fraction_beside_pct"] == pytest.approx(100 * bound_s / sum(tokens_s))
+    whole = doc["roofline"]["bandwidth"]["read_bytes_per_s"]
+    assert len(doc["roofline"]["bandwidth"]["read_bytes_per_s_samples"]) == 2 + 2 * 2 + 2  # start, end, beside each run
+    assert whole >= max(beside) and ours["decode"]["bandwidth_fraction_beside_pct"] >= ours["decode"]["bandwidth_fraction_pct"]
+    assert ours["decode"]["bandwidth_fraction_pct"] == pytest.approx(
+        100 * ours["decode"]["bytes_per_token"] * ours["decode"]["decode_tokens_per_s"] / whole)
+    assert len(hf["decode"]["bandwidth_beside"]) == 1 and hf["decode"]["bandwidth_fraction_beside_pct"] > 0
     assert ours["roofline"]["useful_flops"] == hf["roofline"]["useful_flops"] > 0
     row = next(r for r in doc["rows"] if r["metric"] == "output tokens/s")
     assert row["ratios"]["toolkit (eager) / transformers"] == pytest.approx(
@@ -426,6 +469,19 @@ def test_roofline_is_the_best_of_the_probes_before_and_after():
     bw = best_of_probes({"bytes": 8, "read_bytes_per_s": 26e9, "copy_bytes_per_s": 10e9},
                         {"bytes": 8, "read_bytes_per_s": 20e9, "copy_bytes_per_s": 12e9})
     assert bw["read_bytes_per_s"] == 26e9 and bw["copy_bytes_per_s"] == 12e9  # each rate's own best
+    # Any number of probes, an already combined one included: its samples count, not only its best.
+    more = best_of_probes(bw, {"bytes": 8, "read_bytes_per_s": 27e9, "copy_bytes_per_s": 11e9})
+    assert more["read_bytes_per_s"] == 27e9 and more["read_bytes_per_s_samples"] == [26e9, 20e9, 27e9]
+    assert more["copy_bytes_per_s"] == 12e9
+
+
+def test_bandwidth_fraction_holds_each_decode_run_to_its_own_bound():
+    # One run: bytes/token x tokens/s / bandwidth.
+    assert bandwidth_fraction(100.0, [(10, 2.0, 1000.0)]) == pytest.approx(100 * 100 * 5 / 1000)
+    # Two runs, each held to the bandwidth read beside it: the bound's time over the time taken.
+    # Run 1 needs 10*100/1000 = 1 s at its bound and took 2 s; run 2 needs 10*100/500 = 2 s and took 2 s.
+    assert bandwidth_fraction(100.0, [(10, 2.0, 1000.0), (10, 2.0, 500.0)]) == pytest.approx(75.0)
+    assert bandwidth_fraction(100.0, []) == 0.0
 
 
 def test_bf16_run_takes_the_faster_dtype_probe_as_roofline(tiny, tmp_path):

@@ -136,6 +136,28 @@ def test_prepare_hands_it_decode_steps_unpadded_and_other_steps_padded(ckpt, mon
     assert runner.prepare([ScheduledRequest("a", [5], 9, [0], True)]).input_ids.shape == (2,)
 
 
+def test_prepare_builds_decode_steps_as_the_general_path_does(ckpt, monkeypatch):
+    # Oracle: the general path of prepare() (eager, so unpadded) on the same requests, every tensor.
+    _, path = ckpt
+    runner = _runner(path)
+    batch = [ScheduledRequest("a", [5], 9, [3, 7], True), ScheduledRequest("b", [11], 16, [1, 4, 2], True),
+             ScheduledRequest("c", [2], 40, [6, 8, 9, 5], True), ScheduledRequest("d", [0], 0, [10], True)]
+    fast = runner._prepare_decode(batch)
+    monkeypatch.setattr(runner, "decode_step", None)
+    general = runner.prepare(batch)
+    for name in ("input_ids", "positions", "logits_indices"):
+        torch.testing.assert_close(getattr(fast, name), getattr(general, name), rtol=0, atol=0)
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        torch.testing.assert_close(getattr(fast.meta, name), getattr(general.meta, name), rtol=0, atol=0)
+    assert fast.decode_only and general.decode_only and fast.num_tokens == general.num_tokens == 4
+    assert fast.meta.backend == general.meta.backend
+    # Any other step is the general path's; a block table short of the position is a scheduler bug.
+    assert runner._prepare_decode([batch[0], ScheduledRequest("e", [1, 2], 0, [11], True)]) is None
+    assert runner._prepare_decode([ScheduledRequest("f", [1], 3, [11], False)]) is None
+    with pytest.raises(RuntimeError, match="does not reach position 16"):
+        runner._prepare_decode([ScheduledRequest("g", [1], 16, [11], True)])
+
+
 def test_bad_rows_raise_index_error(ckpt):
     _, path = ckpt
     runner = _runner(path)

@@ -203,6 +203,10 @@ class ModelRunner:
     # --- one step ---------------------------------------------------------------------------
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        if self.decode_step is not None and scheduled:
+            inputs = self._prepare_decode(scheduled)
+            if inputs is not None:
+                return inputs
         bs = self.block_size
         q_lens = np.fromiter((len(r.token_ids) for r in scheduled), dtype=np.int64, count=len(scheduled))
         starts = np.fromiter((r.start_position for r in scheduled), dtype=np.int64, count=len(scheduled))
@@ -225,8 +229,9 @@ class ModelRunner:
 
         input_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in scheduled), np.int64, num_tokens)
         decode_only = num_tokens == len(scheduled) and bool(sampled.all())
-        # Padding and unbacked sizes serve the compiled graphs; the C++ decode step takes any size.
-        for_graphs = not self.enforce_eager and not (decode_only and self.decode_step is not None)
+        # Padding and unbacked sizes serve the compiled graphs (the C++ decode step's steps are built
+        # by _prepare_decode).
+        for_graphs = not self.enforce_eager
         padded = self._bucket(num_tokens) if for_graphs else num_tokens
         pad = padded - num_tokens
         if pad:
@@ -254,6 +259,39 @@ class ModelRunner:
             _mark_sizes_unbacked(meta, logits_indices, rows_are_tokens=decode_only)
         return StepInputs(to(input_ids, torch.int64), to(positions, torch.int64), meta, logits_indices,
                           num_tokens, decode_only)
+
+    def _prepare_decode(self, scheduled: list[ScheduledRequest]) -> StepInputs | None:
+        """prepare() for a decode-only step that goes to the C++ decode step (None for any other
+        step): the same tensors, unpadded, built in one pass over the requests. The general path
+        enters numpy ~40 times a step; after the step's weight stream has evicted their code and data
+        from the caches, that took ~0.4 ms of a 12 ms batch-1 step. Block ids and slots are checked
+        by the C++ step itself."""
+        bs = self.block_size
+        ids, positions, slots, tables = [], [], [], []
+        for r in scheduled:
+            if len(r.token_ids) != 1 or not r.samples:
+                return None
+            p = r.start_position
+            table = r.block_table[: p // bs + 1]
+            if len(table) <= p // bs:
+                raise RuntimeError(f"request {r.request_id}'s block table does not reach position {p}: "
+                                   "a scheduler bug, please report")
+            ids.append(r.token_ids[0])
+            positions.append(p)
+            slots.append(table[-1] * bs + p % bs)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        rows, i32, i64 = len(ids), torch.int32, torch.int64
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(rows + 1, dtype=i32),
+            seq_lens=torch.tensor(positions, dtype=i32).add_(1),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=i32),
+            slot_mapping=torch.tensor(slots, dtype=i64),
+            backend=self.attention_backend,
+            decode_only=True,
+        )
+        return StepInputs(torch.tensor(ids, dtype=i64), torch.tensor(positions, dtype=i64), meta,
+                          torch.arange(rows, dtype=i64), rows, True)
 
     def _bucket(self, n: int) -> int:
         # Sizes are symbolic in the graphs, so any n >= 2 reuses them; rounding up further would only

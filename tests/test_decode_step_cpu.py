@@ -203,9 +203,12 @@ def test_compiled_engine_serves_decode_steps_with_it_and_gives_transformers_toke
     path = write_checkpoint(tmp_path / "qwen3", "qwen3", seed=5)
     prompts = random_prompts(4, seed=12, low=3, high=30)
     llm = LLM(str(path), dtype="float32", max_model_len=96, kv_cache_memory_bytes=1 << 22)
+    calls, kernel = [], llm.engine.runner.decode_step.kernel
+    monkeypatch.setattr(llm.engine.runner.decode_step, "kernel", lambda *a: calls.append(1) or kernel(*a))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 10)
+    assert len(calls) >= 9  # every request's 9 decode tokens came from decode-only steps, in C++
     runner = llm.engine.runner
     assert runner.decode_step is not None
     if precompile == "1":

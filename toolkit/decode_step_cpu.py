@@ -169,6 +169,13 @@ class DecodeStep:
                 raise RuntimeError("decode step: a decode-only step that is not what the runner's prepare() builds "
                                    "(a bug: please report)")
             return forward(input_ids, positions, kv_caches, meta, logits_indices)
+        return self.run_prepared(input_ids, positions, meta, logits_indices)
+
+    def run_prepared(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
+        """The step in C++ on tensors exactly as the runner's prepare() builds them: CPU, contiguous,
+        int64 ids, positions, slots and logits indices, int32 lengths and tables, this step's caches.
+        Those are not checked here (the runner calls this for the steps it built; any other caller
+        goes through the installed forward, which checks); values out of range still raise."""
         rows, tables = input_ids.shape[0], meta.block_tables
         logits = torch.empty(logits_indices.shape[0], self.vocab)
         bad = self.kernel(*self._structs, input_ids.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from toolkit.sampler import (Sampler, apply_min_p, apply_penalties, apply_temperature,
-                             apply_top_k_top_p)
+                             apply_top_k_top_p, argmax_rows)
 from toolkit.sampling_params import SamplingParams
 
 DRAWS = 20_000
@@ -60,6 +60,18 @@ def test_greedy_is_argmax(dtype):
     out = call(Sampler(seed=0), logits, SamplingParams(temperature=0.0))
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 16
+
+
+def test_argmax_rows_is_torchs_argmax_ties_nans_and_infinities_included():
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(9))
+    x[0, [5, 9]] = 100.0  # a tie: the first
+    x[1, [7, 3]] = float("nan")  # NaN is the maximum: the first NaN
+    x[2] = float("-inf")
+    x[3, 100], x[3, 50] = float("inf"), float("nan")
+    x[4, 299] = float("inf")
+    for scores in (x, x.t().contiguous().t(), x[:, ::2], x[:0], x.bfloat16()):  # strided, empty, another dtype
+        got = argmax_rows(scores)
+        assert got.dtype == torch.int64 and got.tolist() == scores.argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])

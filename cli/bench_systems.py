@@ -363,6 +363,7 @@ class VLLMSystem:
                     if proc.poll() is None:
                         proc.kill()
                         proc.wait()
+                    proc.stdin.close()
             if proc.returncode != 0 or result is None:
                 tail = log_path.read_text()[-3000:]
                 raise BenchError(f"vLLM worker exited with status {proc.returncode}; its log ends:\n{tail}")

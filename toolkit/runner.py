@@ -1,7 +1,8 @@
 """The model runner: owns the model and its KV cache, turns a scheduled step into tensors, runs it.
 
 Host work per step is a handful of numpy operations over the whole batch (no per-token Python
-loops). Each decoder layer is `torch.compile`d with `fullgraph=True` unless `enforce_eager`:
+loops); decode-only steps for the C++ decode step are built in one pass over the requests instead
+(`_prepare_decode`: fewer library calls, which is what a batch-1 step's cold caches charge for). Each decoder layer is `torch.compile`d with `fullgraph=True` unless `enforce_eager`:
 
 - Shapes: the compiled graphs are dynamic in the packed token count T, the batch size B and the
   block-table width, and T is padded to at least MIN_BUCKET, so a long run with varied batches
@@ -14,7 +15,7 @@ loops). Each decoder layer is `torch.compile`d with `fullgraph=True` unless `enf
   (`toolkit/precompiled.py`): a warm start loads them without re-tracing, and calls skip Dynamo's
   guards. Elsewhere, with TOOLKIT_PRECOMPILE=0, or where that fails, layers use `layer.compile`.
 - Decode-only steps on CPU run the whole model as one C++ call (`toolkit/decode_step_cpu.py`),
-  installed over the model's forward where it takes the model. Elsewhere they get a
+  installed over the model's forward where it takes the model, and called by `execute` directly. Elsewhere they get a
   graph of their own: there the torch backend calls the CPU decode kernel (`attention/decode_cpu.py`,
   built before the first trace) or, off CPU, traces decode attention into the graph
   (`attention/decode_torch.py`) instead of calling the opaque reference op.
@@ -170,8 +171,9 @@ class ModelRunner:
         if reason is not None:
             log.info("decode steps run the decoder layers one by one, not in C++: %s", reason)
             return None
-        # Strict: prepare() leaves the decode-only steps it hands over unpadded and unmarked, which no
-        # layer graph may see, so a step the C++ path refused would be a bug, not a fallback.
+        # execute() hands the decode-only steps prepare() built (unpadded, unmarked) straight to
+        # run_prepared. Strict: should such a step reach the model's forward another way and be
+        # refused there, it raises rather than run the layer graphs on sizes they were not built for.
         decode_step = decode_step_cpu.DecodeStep(self.model, self.kv_caches, strict=True)
         decode_step.install(self.model)
         return decode_step
@@ -230,10 +232,7 @@ class ModelRunner:
 
         input_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in scheduled), np.int64, num_tokens)
         decode_only = num_tokens == len(scheduled) and bool(sampled.all())
-        # Padding and unbacked sizes serve the compiled graphs (the C++ decode step's steps are built
-        # by _prepare_decode).
-        for_graphs = not self.enforce_eager
-        padded = self._bucket(num_tokens) if for_graphs else num_tokens
+        padded = num_tokens if self.enforce_eager else self._bucket(num_tokens)
         pad = padded - num_tokens
         if pad:
             input_ids = np.concatenate([input_ids, np.zeros(pad, np.int64)])
@@ -256,7 +255,7 @@ class ModelRunner:
             decode_only=decode_only,
         )
         logits_indices = to(logits_indices, torch.int64)
-        if for_graphs:
+        if not self.enforce_eager:
             _mark_sizes_unbacked(meta, logits_indices, rows_are_tokens=decode_only)
         return StepInputs(to(input_ids, torch.int64), to(positions, torch.int64), meta, logits_indices,
                           num_tokens, decode_only)

@@ -1,7 +1,7 @@
 // Scalar conversions between float32 and the half types the CPU kernels store, as torch does them:
 // bfloat16 (kept as uint16_t: the high half of a float32) and IEEE half (gcc's _Float16, a distinct
-// type). Float -> half rounds to nearest even and keeps NaN and inf. Included by linear_cpu.cpp and
-// decode_step_cpu.cpp; attention/cpp_build.py keys each build on the headers a source includes.
+// type). Float -> half rounds to nearest even and keeps NaN and inf. Included by the kernels beside it;
+// toolkit/backends/cpu/build.py keys each build on the local headers a source includes.
 
 #pragma once
 

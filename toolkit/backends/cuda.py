@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps.
+"""The CUDA backend: Triton attention, and CUDA graphs for decode-only steps.
 
 A decode step of a small model is dominated by kernel launch overhead: one replay of a captured
 graph launches everything at once. Each batch-size bucket is captured once, lazily, on its first
@@ -7,19 +7,52 @@ query tokens (query_start_loc repeats its last value, seq_len 0, slot -1), which
 kernels skip. Only the Triton attention backend is capture-safe: the torch reference reads
 metadata on the host.
 
-On a machine without CUDA this module imports and `DecodeGraphs.supported` is False.
+On a machine without CUDA this module imports, and no graph is ever captured.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
 
 from attention import AttentionMetadata
+from toolkit.backends import Backend
 
 log = logging.getLogger("toolkit")
+
+
+class CUDABackend(Backend):
+    name = "cuda"
+
+    def attention_backend(self) -> str:
+        return self.config.attention_backend or "triton"
+
+    def wrap_step(self, step):
+        c = self.config
+        if not (c.cuda_graphs and not c.enforce_eager and self.attention_backend() == "triton"
+                and torch.cuda.is_available()):
+            return step
+        max_blocks = math.ceil(c.max_model_len / c.block_size)
+        graphs = DecodeGraphs(step.forward, step.kv_caches, c.max_num_seqs, max_blocks, c.device,
+                              self.attention_backend())
+        return GraphedStep(step, graphs)
+
+
+class GraphedStep:
+    """Decode-only steps that fit a bucket replay a CUDA graph; every other step runs `step`."""
+
+    def __init__(self, step, graphs: "DecodeGraphs"):
+        self.step, self.graphs = step, graphs
+        self.forward = step.forward
+
+    def __call__(self, inputs):
+        if inputs.decode_only and self.graphs.bucket_for(inputs.num_tokens):
+            n = inputs.num_tokens
+            return self.graphs.run(inputs.input_ids[:n], inputs.positions[:n], inputs.meta, inputs.logits_indices)
+        return self.step(inputs)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -37,10 +70,6 @@ class DecodeGraphs:
         self.backend = backend
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
         self.pool = None
-
-    @staticmethod
-    def supported(device: torch.device, backend: str, enforce_eager: bool) -> bool:
-        return device.type == "cuda" and torch.cuda.is_available() and backend == "triton" and not enforce_eager
 
     def bucket_for(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)

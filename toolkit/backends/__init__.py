@@ -1,0 +1,61 @@
+"""Device backends: what a device contributes to an engine, behind one entry point, `for_device`.
+
+The rest of the toolkit never branches on the device. It asks the backend:
+- `attention_backend()`: the attention kernels a step uses by default;
+- `prepare_model(model, tp)`: the device's own post-load changes (CPU: the linears' weight layouts);
+- `compile_options()`: Inductor's options for the compiled step (CPU: its C++ wrapper);
+- `wrap_step(step)`: how decode steps are replayed (CUDA: CUDA graphs);
+- `stats()`: what it chose, for logs and `Engine.stats()`.
+
+`Backend` itself is the generic one: torch's own ops on any device torch runs on. The CPU backend
+(`toolkit/backends/cpu/`) holds every CPU-specific line: C++ kernels, their build, weight packing,
+kernel choice; the CUDA one (`toolkit/backends/cuda.py`) the Triton choice and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Backend:
+    """torch's own ops on any device: the reference every other backend is tested against."""
+
+    name = "generic"
+
+    def __init__(self, config, model_config):
+        self.config = config  # a resolved EngineConfig (toolkit/config.py)
+        self.model_config = model_config
+
+    def attention_backend(self) -> str:
+        return self.config.attention_backend or "torch"
+
+
+    def prepare_model(self, model: torch.nn.Module, tp) -> list[str]:
+        """Device-specific changes after loading and merging; returns what it did, for the log."""
+        return []
+
+    def compile_options(self) -> dict:
+        # Inductor checks every indirect index (block table, slot) inside its loops; those come from
+        # our own block pool, and the runner range-checks them once per step on the host instead.
+        return {"assert_indirect_indexing": False} if self.config.compile_backend == "inductor" else {}
+
+    def wrap_step(self, step):
+        return step
+
+    def stats(self) -> dict:
+        return {"backend": self.name, "attention": self.attention_backend()}
+
+
+def for_device(config, model_config) -> Backend:
+    """The backend for `config.device` (a resolved EngineConfig), serving `model_config`'s model.
+    Raises, before any weight is read, where it cannot serve the model as configured."""
+    device = torch.device(config.device)
+    if device.type == "cpu":
+        from toolkit.backends.cpu import CPUBackend
+
+        return CPUBackend(config, model_config)
+    if device.type == "cuda":
+        from toolkit.backends.cuda import CUDABackend
+
+        return CUDABackend(config, model_config)
+    return Backend(config, model_config)

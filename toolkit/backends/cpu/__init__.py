@@ -1,0 +1,122 @@
+"""The CPU backend: C++ kernels as torch ops, the linears' layouts chosen by the machine, and a
+compiled step with no Python between its kernels.
+
+- Kernels (`kernels.py`, `csrc/`): the linear and paged attention, built at engine start (both at
+  once, cached) and registered in torch's dispatcher through its stable C ABI. Where one cannot be
+  built, a warning names its source and torch's own ops serve instead.
+- Attention: the kernel serves every step kind (prefill chunks, decodes, mixed) and is registered
+  with `attention` as the "cpu" backend, the default wherever it is built and the shapes fit.
+- Linears (`linear.py`): each nn.Linear becomes a `CPULinear` whose weights are laid out for the
+  implementations its row counts use: the panel kernel for small M, oneDNN's native bf16 above, as
+  measured at start on the model's own shapes. Tensor-parallel ranks keep their DTensor weights.
+- Compile options: Inductor's C++ wrapper (`cpp_wrapper`), so a compiled step is one C++ function
+  that calls Inductor's fused loops and the kernels' ops through the dispatcher.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import attention
+from toolkit.backends import Backend
+from toolkit.backends.cpu import kernels
+from toolkit.backends.cpu.linear import LinearPlan, layer_shapes, onednn_native, pack_linears, plan_for
+
+log = logging.getLogger("toolkit")
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, config, model_config):
+        super().__init__(config, model_config)
+        if config.cpu_kernels:
+            kernels.start_build()  # overlaps the weights' loading; waited for by the first question below
+        self._unavailable: dict[str, str] | None = None if config.cpu_kernels else {
+            name: "cpu_kernels=False" for name in kernels.SOURCES}
+        self._attention: str | None = None
+        self.linear_plan: LinearPlan | None = None
+        self.packed_linears = 0
+        if config.attention_backend == "cpu" and not self._attention_fits():  # before any weight is read
+            raise ValueError(f"the CPU attention kernel needs head_dim ({model_config.head_dim}) and block_size "
+                             f"({config.block_size}) to be multiples of 8; use attention_backend='torch'")
+
+    def _attention_fits(self) -> bool:
+        # The kernel reads whole 8-float vectors of head_dim and 8-row tiles of a block.
+        return self.model_config.head_dim % 8 == 0 and self.config.block_size % 8 == 0
+
+    @property
+    def unavailable(self) -> dict[str, str]:
+        """{kernel: why this engine does not use it}; waits for the build the first time."""
+        if self._unavailable is None:
+            self._unavailable = kernels.load()
+            if self.has_kernel("attention"):
+                register_attention()
+            dtype = self.config.dtype
+            if dtype != torch.float32 and not self.has_kernel("linear") and not onednn_native(dtype):
+                log.warning("%s on a CPU without native %s units and without the CPU linear kernel: matmuls run "
+                            "emulated, several times slower than float32", dtype, dtype)
+        return self._unavailable
+
+    def has_kernel(self, name: str) -> bool:
+        """Whether this engine uses the C++ kernel `name` (built, and not switched off by its config)."""
+        return name not in self.unavailable and kernels.available(name)
+
+    def attention_backend(self) -> str:
+        if self._attention is None:
+            self._attention = self._choose_attention()
+        return self._attention
+
+    def _choose_attention(self) -> str:
+        chosen = self.config.attention_backend
+        if chosen == "cpu" and not self.has_kernel("attention"):
+            raise ValueError("attention_backend='cpu' needs the CPU attention kernel, which is unavailable: "
+                             f"{self.unavailable.get('attention')}")
+        if chosen is not None:
+            return chosen
+        return "cpu" if self._attention_fits() and self.has_kernel("attention") else "torch"
+
+    def prepare_model(self, model, tp) -> list[str]:
+        if tp is not None:
+            return []  # DTensor weights: the TP plan's matmuls and collectives stay torch's
+        if not self.has_kernel("linear"):
+            return []
+        self.linear_plan = plan_for(self.config.cpu_linear, self.config.dtype, layer_shapes(model))
+        if self.linear_plan is None:
+            return []
+        log.info("CPU linears: %s (%s)", self.linear_plan.describe(), self.linear_plan.source)
+        self.packed_linears = pack_linears(model, self.linear_plan)
+        return [f"{self.packed_linears} linears packed: {self.linear_plan.describe()}"]
+
+    def compile_options(self) -> dict:
+        options = super().compile_options()
+        # Not under tensor parallelism: Inductor's C++ wrapper cannot call DTensor's collectives yet
+        # ("arg type Any is not yet supported by custom_op_wrapper"), so those ranks keep its Python one.
+        if self.config.compile_backend == "inductor" and self.config.cpp_wrapper and self.config.tensor_parallel_size == 1:
+            options["cpp_wrapper"] = True
+            # Compiled apart from the kernels, the wrapper builds at -O1: it only sequences calls.
+            options["cpp_wrapper_build_separate"] = True
+        if self.config.compile_backend == "inductor":
+            # Inductor's ISA checks compile and load a test program per ISA, several seconds at every
+            # start; /proc/cpuinfo, which it reads first, already says what this CPU runs.
+            options["cpp.vec_isa_ok"] = True
+        return options
+
+    def stats(self) -> dict:
+        plan = self.linear_plan
+        return {**super().stats(), "kernels_unavailable": dict(self.unavailable), "packed_linears": self.packed_linears,
+                "linear": None if plan is None else {"layouts": [n for n, on in (("panels", plan.panels),
+                                                                                  ("onednn", plan.onednn)) if on],
+                                                     "small_m": plan.small_m, "source": plan.source}}
+
+
+def register_attention() -> None:
+    """The one registration of the CPU attention kernels in `attention`'s dispatch, as backend "cpu"."""
+    attention.register_backend("cpu", _paged_attention, torch.ops.toolkit.write_kv_cpu.default)
+
+
+def _paged_attention(q, kv_cache, meta, scale):
+    return torch.ops.toolkit.paged_attention_cpu.default(q, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                                         meta.block_tables, scale)

@@ -1,0 +1,355 @@
+// Paged attention for CPU: every query token of a step (prefill chunks and decodes alike) against
+// its request's paged K/V, causal, in one pass per token; and the write of a step's new K/V into
+// the cache. Registered as the torch ops toolkit::paged_attention_cpu and toolkit::write_kv_cpu,
+// which the compiled step calls like any other op.
+//
+// Each query token is one task (or, with too few tokens to keep every thread busy, one task per
+// (token, kv head)) that walks only its own request's blocks, up to its own causal length, with an
+// online softmax (flash-decoding's recurrence), so K/V are read once, in place. Scores are computed
+// 8 cache rows at a time with one shuffle tree for their 8 sums: one horizontal sum per dot product
+// made the loop latency-bound. The next block is prefetched while the current one is computed.
+//
+// Layout (attention/kv_cache.py): keys and values are [num_blocks, block_size, num_kv_heads, head_dim]
+// each; q and out are [tokens, num_heads, head_dim]; query head h uses kv head h / G, so a kv head's G
+// query heads are adjacent. Request i's q_len_i tokens are rows [qsl[i], qsl[i+1]) and are the last
+// q_len_i of its seq_len_i positions. Rows past qsl[B] (padding) are zeros. Built with -ffast-math,
+// which lets the exp loops vectorize (glibc's libmvec), so no infinities are used: the running max
+// starts at -FLT_MAX.
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "stable_args.h"
+
+namespace {
+
+// GCC/Clang vector extensions: 8 floats, one AVX2 register, lowered portably elsewhere.
+typedef float vec8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline vec8 load8(const float* p) {
+    vec8 r;
+    std::memcpy(&r, p, sizeof r);
+    return r;
+}
+
+inline vec8 load8(const uint16_t* p) {  // bfloat16 is the high half of a float32
+#if defined(__AVX2__)
+    // One vpmovzxwd: gcc 12 lowers the portable form below to two 128-bit halves and an insert.
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return vec8(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)));
+#else
+    u16x8 half;
+    std::memcpy(&half, p, sizeof half);
+    u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
+    vec8 r;
+    std::memcpy(&r, &bits, sizeof r);
+    return r;
+#endif
+}
+
+inline vec8 load8(const f16* p) {
+#if defined(__F16C__)
+    __m128i halves;
+    std::memcpy(&halves, p, sizeof halves);
+    return vec8(_mm256_cvtph_ps(halves));
+#else  // gcc 12 compiles its portable vector conversion to scalar ones: correct, slow
+    vec8 r;
+    for (int j = 0; j < 8; ++j) r[j] = float(p[j]);
+    return r;
+#endif
+}
+
+inline void store8(float* p, vec8 x) { std::memcpy(p, &x, sizeof x); }
+
+inline vec8 pair_sums(vec8 a, vec8 b) {  // lanes (a0+a1, b0+b1, a2+a3, b2+b3, ...)
+    return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+// The 8 horizontal sums of x[0..7] as one vector: a transpose-and-add tree, 12 shuffles for 8 sums.
+inline vec8 horizontal_sums(const vec8* x) {
+    vec8 t0 = pair_sums(x[0], x[1]), t1 = pair_sums(x[2], x[3]);
+    vec8 t2 = pair_sums(x[4], x[5]), t3 = pair_sums(x[6], x[7]);
+    vec8 u0 = __builtin_shufflevector(t0, t1, 0, 1, 8, 9, 4, 5, 12, 13) +
+              __builtin_shufflevector(t0, t1, 2, 3, 10, 11, 6, 7, 14, 15);
+    vec8 u1 = __builtin_shufflevector(t2, t3, 0, 1, 8, 9, 4, 5, 12, 13) +
+              __builtin_shufflevector(t2, t3, 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// scores[0..7] = scale * (q . key row j) for 8 consecutive cache rows starting at key.
+template <typename T>
+inline vec8 scores8(const float* q, const T* key, int64_t row_stride, int head_dim, float scale) {
+    vec8 acc[8] = {};
+    for (int d = 0; d < head_dim; d += 8) {
+        const vec8 qd = load8(q + d);
+        for (int j = 0; j < 8; ++j) acc[j] += qd * load8(key + j * row_stride + d);
+    }
+    return horizontal_sums(acc) * scale;
+}
+
+// Share `share` of `shares` of a block's K and V cache lines that a task reads: `width` elements at
+// the start of each of the block's rows. Issued all at a block's start, prefetches gave nothing (the
+// core stalls once its miss buffers are full); spread over the block's work they pay.
+template <typename T>
+inline void prefetch_share(const T* k, const T* v, int share, int shares, int64_t width, int block_size,
+                           int64_t row_stride) {
+    const int64_t row_lines = (width * int64_t(sizeof(T)) + 63) / 64, lines = block_size * row_lines;
+    for (int64_t l = share * lines / shares; l < (share + 1) * lines / shares; ++l) {
+        const int64_t row = (l / row_lines) * row_stride, byte = 64 * (l % row_lines);
+        __builtin_prefetch(reinterpret_cast<const char*>(k + row) + byte, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + row) + byte, 0, 1);
+    }
+}
+
+// One task: num_heads query heads of one token (all of them, or the group of one kv head), over the
+// first `len` positions of its request's blocks. q and out are float32 [num_heads, head_dim]; k and v
+// point at the task's first kv head; a cache row (one position, all kv heads) is row_stride elements.
+template <typename T>
+void attend(const float* q, const T* k, const T* v, const int32_t* table, int len, float* out, int num_heads,
+            int group, int head_dim, int block_size, int64_t row_stride, float scale) {
+    float running_max[num_heads], denom[num_heads], acc[num_heads * head_dim], p[num_heads * block_size];
+    for (int h = 0; h < num_heads; ++h) { running_max[h] = -FLT_MAX; denom[h] = 0.f; }
+    std::fill(acc, acc + num_heads * head_dim, 0.f);
+
+    for (int start = 0; start < len; start += block_size) {
+        const int n = std::min(block_size, len - start);
+        const int64_t base = int64_t(table[start / block_size]) * block_size * row_stride;
+        // Scores in groups of 8 rows. Rows past n in the last block exist (whole blocks are
+        // allocated); their scores are computed and never read.
+        for (int h = 0; h < num_heads; ++h) {
+            const T* key = k + base + (h / group) * head_dim;
+            for (int i = 0; i < n; i += 8)
+                store8(p + h * block_size + i, scores8(q + h * head_dim, key + i * row_stride, row_stride, head_dim, scale));
+        }
+        const bool has_next = start + block_size < len;
+        const int64_t next = has_next ? int64_t(table[start / block_size + 1]) * block_size * row_stride : 0;
+        for (int h = 0; h < num_heads; ++h) {
+            if (has_next) prefetch_share(k + next, v + next, h, num_heads, (num_heads / group) * head_dim, block_size, row_stride);
+            float* ph = p + h * block_size;
+            float block_max = running_max[h];
+            for (int i = 0; i < n; ++i) block_max = std::max(block_max, ph[i]);
+            const float correction = std::exp(running_max[h] - block_max);
+            running_max[h] = block_max;
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < n; ++i) {
+                ph[i] = std::exp(ph[i] - block_max);
+                sum += ph[i];
+            }
+            denom[h] = denom[h] * correction + sum;
+            float* ah = acc + h * head_dim;
+            for (int d0 = 0; d0 < head_dim; d0 += 64) {  // a 64-float tile of the output in registers
+                const int width = std::min(64, head_dim - d0);
+                vec8 tile[8];
+                for (int c = 0; c < width / 8; ++c) tile[c] = load8(ah + d0 + 8 * c) * correction;
+                const T* value = v + base + (h / group) * head_dim + d0;
+                for (int i = 0; i < n; ++i) {
+                    const float w = ph[i];
+                    for (int c = 0; c < width / 8; ++c) tile[c] += w * load8(value + i * row_stride + 8 * c);
+                }
+                for (int c = 0; c < width / 8; ++c) store8(ah + d0 + 8 * c, tile[c]);
+            }
+        }
+    }
+    for (int h = 0; h < num_heads; ++h) {
+        const float inv = denom[h] > 0.f ? 1.f / denom[h] : 0.f;  // a length of 0 gives zeros
+        for (int d = 0; d < head_dim; ++d) out[h * head_dim + d] = acc[h * head_dim + d] * inv;
+    }
+}
+
+// A request whose length overruns its block-table row, or whose table names a block outside the cache.
+inline bool request_is_bad(const int32_t* table, int64_t len, int64_t table_width, int block_size, int64_t num_blocks) {
+    if (len < 0 || len > table_width * block_size) return true;
+    for (int64_t b = 0; b * block_size < len; ++b)
+        if (table[b] < 0 || table[b] >= num_blocks) return true;
+    return false;
+}
+
+struct Step {  // one call's shapes and pointers
+    const void* q;
+    int64_t q_token_stride, q_head_stride;
+    const void* k;
+    const void* v;
+    const int32_t* qsl;
+    const int32_t* seq_lens;
+    const int32_t* tables;
+    void* out;
+    int64_t tokens, requests, num_heads, num_kv_heads, head_dim, block_size, table_width, num_blocks;
+    float scale;
+};
+
+// Per token: its request (-1 for padding past the last request) and its causal length. Returns the
+// number of requests refused (bad lengths or block ids, or query counts past their length).
+inline int64_t plan_tokens(const Step& s, std::vector<int32_t>& request, std::vector<int32_t>& length) {
+    int64_t bad = 0;
+    std::fill(request.begin(), request.end(), -1);
+    for (int64_t r = 0; r < s.requests; ++r) {
+        const int64_t begin = s.qsl[r], end = s.qsl[r + 1], len = s.seq_lens[r];
+        if (begin < 0 || end < begin || end > s.tokens || end - begin > len ||
+            request_is_bad(s.tables + r * s.table_width, len, s.table_width, s.block_size, s.num_blocks)) {
+            ++bad;
+            continue;
+        }
+        for (int64_t t = begin; t < end; ++t) {
+            request[t] = int32_t(r);
+            length[t] = int32_t(len - (end - t) + 1);  // causal: the token's own position and all before it
+        }
+    }
+    return bad;
+}
+
+template <typename T, typename Q>
+void run(const Step& s, const std::vector<int32_t>& request, const std::vector<int32_t>& length) {
+    const int group = int(s.num_heads / s.num_kv_heads);
+    const int64_t row_stride = s.num_kv_heads * s.head_dim;
+    // A task per token reads each block as one contiguous run (per-kv-head tasks were ~2x slower on a
+    // 64-row decode); with few tokens (a batch-1 decode) the kv heads are split so every thread works.
+    const int64_t splits = s.tokens < 4 * omp_get_max_threads() ? s.num_kv_heads : 1;
+    const int64_t heads = s.num_heads / splits, width = heads * s.head_dim;
+    const Q* q = static_cast<const Q*>(s.q);
+    Q* out = static_cast<Q*>(s.out);
+    // Tokens differ in length, so tasks are handed out dynamically rather than split evenly.
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t t = 0; t < s.tokens; ++t) {
+        for (int64_t split = 0; split < splits; ++split) {
+            const int64_t h0 = split * heads;
+            Q* o = out + (t * s.num_heads + h0) * s.head_dim;
+            if (request[t] < 0) {
+                for (int64_t i = 0; i < width; ++i) put(o + i, 0.f);
+                continue;
+            }
+            float q32[width], o32[width];
+            for (int64_t h = 0; h < heads; ++h)
+                for (int64_t d = 0; d < s.head_dim; ++d)
+                    q32[h * s.head_dim + d] = to_float(q[t * s.q_token_stride + (h0 + h) * s.q_head_stride + d]);
+            const int64_t kv_offset = (h0 / group) * s.head_dim;
+            attend(q32, static_cast<const T*>(s.k) + kv_offset, static_cast<const T*>(s.v) + kv_offset,
+                   s.tables + int64_t(request[t]) * s.table_width, length[t], o32, int(heads), group,
+                   int(s.head_dim), int(s.block_size), row_stride, s.scale);
+            for (int64_t i = 0; i < width; ++i) put(o + i, o32[i]);
+        }
+    }
+}
+
+Tensor paged_attention_cpu(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables,
+                           double scale) {
+    check_cpu(q, "q");
+    check_cpu(kv_cache, "kv_cache");
+    check_int32(query_start_loc, "query_start_loc", 1);
+    check_int32(seq_lens, "seq_lens", 1);
+    check_int32(block_tables, "block_tables", 2);
+    STD_TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with unit stride in "
+                    "head_dim, got ", shape(q));
+    STD_TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+                    "kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor, got ", shape(kv_cache));
+    const Kind kind = kind_of(kv_cache, "kv_cache");
+    STD_TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q must be in the kv_cache's dtype");
+    Step s;
+    s.tokens = q.size(0), s.num_heads = q.size(1), s.head_dim = q.size(2);
+    s.num_blocks = kv_cache.size(1), s.block_size = kv_cache.size(2), s.num_kv_heads = kv_cache.size(3);
+    s.requests = seq_lens.size(0), s.table_width = block_tables.size(1);
+    STD_TORCH_CHECK(kv_cache.size(4) == s.head_dim && s.num_heads % s.num_kv_heads == 0,
+                    "q ", shape(q), " does not fit kv_cache ", shape(kv_cache), " (heads must be a multiple of kv heads)");
+    STD_TORCH_CHECK(s.head_dim % 8 == 0 && s.block_size % 8 == 0, "head_dim ", s.head_dim, " and block_size ",
+                    s.block_size, " must be multiples of 8 (the kernel reads whole 8-float vectors)");
+    STD_TORCH_CHECK(query_start_loc.size(0) == s.requests + 1 && block_tables.size(0) == s.requests,
+                    "query_start_loc ", shape(query_start_loc), ", seq_lens ", shape(seq_lens), " and block_tables ",
+                    shape(block_tables), " disagree on the number of requests");
+    s.q = q.data_ptr(), s.q_token_stride = q.stride(0), s.q_head_stride = q.stride(1);
+    const int64_t half = s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim;
+    const char* cache = static_cast<const char*>(kv_cache.data_ptr());
+    s.k = cache, s.v = cache + half * int64_t(kv_cache.element_size());
+    s.qsl = static_cast<const int32_t*>(query_start_loc.data_ptr());
+    s.seq_lens = static_cast<const int32_t*>(seq_lens.data_ptr());
+    s.tables = static_cast<const int32_t*>(block_tables.data_ptr());
+    s.scale = float(scale);
+
+    std::vector<int32_t> request(s.tokens), length(s.tokens);
+    const int64_t bad = plan_tokens(s, request, length);
+    STD_TORCH_CHECK(bad == 0, "paged_attention_cpu: ", bad, " request(s) with a length past their block table, a "
+                    "block id outside [0, ", s.num_blocks, "), or query tokens outside the step or past their length");
+    Tensor out = empty_as(q, {s.tokens, s.num_heads, s.head_dim});
+    s.out = out.data_ptr();
+    switch (kind) {
+        case F32: run<float, float>(s, request, length); break;
+        case BF16: run<uint16_t, uint16_t>(s, request, length); break;
+        case F16: run<f16, f16>(s, request, length); break;
+    }
+    return out;
+}
+
+// k and v [tokens, kv_heads, head_dim] into the cache rows slot_mapping names (-1: not written).
+template <typename T>
+void write_rows(const Tensor& k, const Tensor& v, T* keys, T* values, const int64_t* slots, int64_t tokens,
+                int64_t row) {
+    const T* kp = static_cast<const T*>(k.data_ptr());
+    const T* vp = static_cast<const T*>(v.data_ptr());
+    const int64_t k_stride = k.stride(0), v_stride = v.stride(0), k_head = k.stride(1), v_head = v.stride(1);
+    const int64_t heads = k.size(1), head_dim = k.size(2);
+    for (int64_t t = 0; t < tokens; ++t) {
+        if (slots[t] < 0) continue;
+        for (int64_t h = 0; h < heads; ++h) {
+            std::memcpy(keys + slots[t] * row + h * head_dim, kp + t * k_stride + h * k_head, head_dim * sizeof(T));
+            std::memcpy(values + slots[t] * row + h * head_dim, vp + t * v_stride + h * v_head, head_dim * sizeof(T));
+        }
+    }
+}
+
+void write_kv_cpu(Tensor k, Tensor v, Tensor kv_cache, Tensor slot_mapping) {
+    check_cpu(k, "k");
+    check_cpu(v, "v");
+    check_cpu(slot_mapping, "slot_mapping");
+    STD_TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+                    "kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor, got ", shape(kv_cache));
+    const int64_t tokens = slot_mapping.size(0), heads = kv_cache.size(3), head_dim = kv_cache.size(4);
+    const int64_t slots_total = kv_cache.size(1) * kv_cache.size(2);
+    STD_TORCH_CHECK(slot_mapping.scalar_type() == ScalarType::Long && slot_mapping.dim() == 1 &&
+                        slot_mapping.is_contiguous(), "slot_mapping must be a contiguous int64 [tokens] tensor");
+    for (const Tensor* t : {&k, &v})
+        STD_TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(1) == heads && t->size(2) == head_dim &&
+                            t->stride(2) == 1 && t->scalar_type() == kv_cache.scalar_type(),
+                        "k and v must be [tokens, kv_heads, head_dim] in the cache's dtype, unit stride in head_dim; got ",
+                        shape(*t), " for cache ", shape(kv_cache));
+    const int64_t* slots = static_cast<const int64_t*>(slot_mapping.data_ptr());
+    for (int64_t t = 0; t < tokens; ++t)
+        STD_TORCH_CHECK(slots[t] >= -1 && slots[t] < slots_total, "write_kv_cpu: slot ", slots[t], " of token ", t,
+                        " is outside the cache's ", slots_total, " slots");
+    const int64_t row = heads * head_dim;
+    char* base = static_cast<char*>(kv_cache.data_ptr());
+    const int64_t half = slots_total * row * int64_t(kv_cache.element_size());
+    switch (kind_of(kv_cache, "kv_cache")) {
+        case F32: write_rows(k, v, reinterpret_cast<float*>(base), reinterpret_cast<float*>(base + half), slots, tokens, row); break;
+        case BF16:
+            write_rows(k, v, reinterpret_cast<uint16_t*>(base), reinterpret_cast<uint16_t*>(base + half), slots, tokens, row);
+            break;
+        case F16: write_rows(k, v, reinterpret_cast<f16*>(base), reinterpret_cast<f16*>(base + half), slots, tokens, row); break;
+    }
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_FRAGMENT(toolkit, m) {
+    m.def("paged_attention_cpu(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
+          "Tensor block_tables, float scale) -> Tensor");
+    m.def("write_kv_cpu(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(toolkit, CPU, m) {
+    m.impl("paged_attention_cpu", TORCH_BOX(&paged_attention_cpu));
+    m.impl("write_kv_cpu", TORCH_BOX(&write_kv_cpu));
+}

@@ -1,0 +1,264 @@
+// y = x W^T (+ b) for CPU: the torch op toolkit::linear_cpu, which the compiled step calls.
+//
+// Two implementations behind one op, chosen per call by the row count M (the shape class):
+// - M <= small_m (or no oneDNN weight): the panel kernel below. A decode step multiplies a few rows
+//   by every weight, so it is a stream over W; this is the classic register-blocked micro-kernel
+//   (6 rows x 16 columns, 12 vector accumulators) reading W once per call, half weights widened to
+//   float32 in registers (half the bytes, float32 FMAs): memory speed with or without bf16 units.
+// - M > small_m (or no panels), where a oneDNN weight was packed: oneDNN's linear (torch's mkldnn
+//   _linear_pointwise), which uses the CPU's native bf16 units (AVX-512 BF16, AMX) where it has them.
+// small_m is measured at engine start on the model's shapes (toolkit/backends/cpu/linear.py).
+//
+// Panel layout: W [N, K] becomes panels [ceil(N / 16), K, 16], zero-padded past N, so a panel's 16
+// columns for one k are one 64-byte (fp32) or 32-byte (bf16, fp16) run and a panel is read front to
+// back. In a bf16 panel, 32-bit lane j holds column j in its low half and column j + 8 in its high
+// half, so one load gives both vectors: a shift widens the low halves, a mask the high ones. fp16
+// panels keep the plain order: F16C's vcvtph2ps widens 8 halves at once. x and out share W's dtype
+// (x is widened once per call, out rounded to nearest even on store).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+
+#include <omp.h>
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+#include <torch/csrc/inductor/aoti_torch/c/shim_cpu.h>  // oneDNN's linear, when torch has oneDNN
+
+#include "stable_args.h"
+
+namespace {
+
+typedef float vec8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+constexpr int NR = 16;       // columns per panel: two 8-float vectors
+constexpr int MR = 6;        // rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast = 15 registers
+constexpr int64_t MC = 192;  // rows per pass over W: their x (<= 1.5 MB at K = 2048) stays in L2/L3
+
+inline void widen(const float* __restrict p, vec8& lo, vec8& hi) {
+    std::memcpy(&lo, p, sizeof lo);
+    std::memcpy(&hi, p + 8, sizeof hi);
+}
+
+inline void widen(const f16* __restrict p, vec8& lo, vec8& hi) {
+#ifdef __F16C__
+    __m128i a, b;
+    std::memcpy(&a, p, sizeof a);
+    std::memcpy(&b, p + 8, sizeof b);
+    const __m256 l = _mm256_cvtph_ps(a), h = _mm256_cvtph_ps(b);
+    std::memcpy(&lo, &l, sizeof lo);
+    std::memcpy(&hi, &h, sizeof hi);
+#else  // gcc 12 compiles its portable vector conversion to scalar ones: correct, slow
+    for (int j = 0; j < 8; ++j) lo[j] = float(p[j]), hi[j] = float(p[j + 8]);
+#endif
+}
+
+inline void widen(const uint16_t* __restrict p, vec8& lo, vec8& hi) {
+    u32x8 v;
+    std::memcpy(&v, p, sizeof v);
+    const u32x8 a = v << 16, b = v & 0xFFFF0000u;
+    std::memcpy(&lo, &a, sizeof lo);
+    std::memcpy(&hi, &b, sizeof hi);
+}
+
+// R rows x 16 columns over all of K. Each accumulator is a chain of dependent FMAs; with few rows,
+// U interleaved partial sums over k keep >= 8 chains in flight (2 FMA pipes x 4 cycles of latency).
+template <int R, int U, typename W>
+void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel, int64_t K,
+          const W* __restrict bias, W* __restrict out, int64_t out_stride, int cols) {
+    vec8 acc[U][R][2] = {};
+    // On AVX2-only CPUs, half panels read by 1-2 rows stream fastest with a prefetch 32 k-steps (1 KB)
+    // ahead, one per 64-byte line (fp32 panels and more rows lost with it); on AVX-512 (Zen 4) the
+    // same prefetch made a batch-1 chain of linears slower, so it is left to the hardware there
+    // (docs/benchmarks.md).
+#ifdef __AVX512F__
+    constexpr bool prefetch = false;
+#else
+    constexpr bool prefetch = R <= 2 && sizeof(W) == 2;
+#endif
+    int64_t k = 0;
+    for (; k + U <= K; k += U) {
+        if (prefetch)
+            for (int u = 0; u < U; u += 2) __builtin_prefetch(panel + (k + u + 32) * NR, 0, 3);
+        for (int u = 0; u < U; ++u) {
+            vec8 w0, w1;
+            widen(panel + (k + u) * NR, w0, w1);
+            for (int r = 0; r < R; ++r) {
+                const vec8 xb = vec8{} + x[r * x_stride + k + u];
+                acc[u][r][0] += xb * w0;
+                acc[u][r][1] += xb * w1;
+            }
+        }
+    }
+    for (; k < K; ++k) {
+        vec8 w0, w1;
+        widen(panel + k * NR, w0, w1);
+        for (int r = 0; r < R; ++r) {
+            const vec8 xb = vec8{} + x[r * x_stride + k];
+            acc[0][r][0] += xb * w0;
+            acc[0][r][1] += xb * w1;
+        }
+    }
+    float b[NR] = {};
+    if (bias)
+        for (int j = 0; j < cols; ++j) b[j] = to_float(bias[j]);
+    for (int r = 0; r < R; ++r) {
+        float row[NR];
+        for (int u = 1; u < U; ++u) acc[0][r][0] += acc[u][r][0], acc[0][r][1] += acc[u][r][1];
+        std::memcpy(row, &acc[0][r][0], sizeof(vec8));
+        std::memcpy(row + 8, &acc[0][r][1], sizeof(vec8));
+        for (int j = 0; j < cols; ++j) put(out + r * out_stride + j, row[j] + b[j]);
+    }
+}
+
+template <typename W>
+void panel_rows(const float* x, int64_t x_stride, const W* panel, int64_t K, const W* bias, W* out,
+                int64_t out_stride, int64_t M, int cols) {
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR)
+        tile<MR, 1>(x + m * x_stride, x_stride, panel, K, bias, out + m * out_stride, out_stride, cols);
+    x += m * x_stride, out += m * out_stride;
+    switch (M - m) {
+        case 1: tile<1, 4>(x, x_stride, panel, K, bias, out, out_stride, cols); break;
+        case 2: tile<2, 2>(x, x_stride, panel, K, bias, out, out_stride, cols); break;
+        case 3: tile<3, 2>(x, x_stride, panel, K, bias, out, out_stride, cols); break;
+        case 4: tile<4, 1>(x, x_stride, panel, K, bias, out, out_stride, cols); break;
+        case 5: tile<5, 1>(x, x_stride, panel, K, bias, out, out_stride, cols); break;
+    }
+}
+
+// Threads split the panels, so W is read once per MC rows and each thread streams its own range.
+template <typename W>
+void linear(const float* x, int64_t x_stride, const W* panels, const W* bias, W* out, int64_t M, int64_t N,
+            int64_t K) {
+    const int64_t P = (N + NR - 1) / NR;
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t rows = std::min(MC, M - m0);
+#pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < P; ++p) {
+            const int cols = (int)std::min<int64_t>(NR, N - p * NR);
+            panel_rows(x + m0 * x_stride, x_stride, panels + p * K * NR, K, bias ? bias + p * NR : nullptr,
+                       out + m0 * N + p * NR, N, rows, cols);
+        }
+    }
+}
+
+// Where column j of a panel row is stored (see the layout above).
+inline int slot(float*, int j) { return j; }
+inline int slot(f16*, int j) { return j; }
+inline int slot(uint16_t*, int j) { return (j % 8) * 2 + j / 8; }
+
+template <typename W>
+void pack(const W* w, int64_t N, int64_t K, W* panels) {
+    const int64_t P = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t k = 0; k < K; ++k)
+            for (int j = 0; j < NR; ++j) {
+                const int64_t n = p * NR + j;
+                panels[(p * K + k) * NR + slot(panels, j)] = n < N ? w[n * K + k] : W{};
+            }
+}
+
+// out [M, N] = x [M, K] (rows x_stride apart, W's dtype) @ W^T + bias; x widened to float32 first.
+template <typename W>
+void panel_linear(const void* x, int64_t x_stride, const W* panels, const W* bias, W* out, int64_t M, int64_t N,
+                  int64_t K) {
+    if (std::is_same<W, float>::value) {
+        linear(static_cast<const float*>(x), x_stride, panels, bias, out, M, N, K);
+        return;
+    }
+    std::unique_ptr<float[]> wide(new float[M * K]);  // every element is written
+    const W* xh = static_cast<const W*>(x);
+    // A decode step's few rows are not worth waking the other threads for.
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) wide[m * K + k] = to_float(xh[m * x_stride + k]);
+    linear(wide.get(), K, panels, bias, out, M, N, K);
+}
+
+template <typename W>
+void dispatch(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias, Tensor& out, int64_t M,
+              int64_t N, int64_t K) {
+    panel_linear(x.data_ptr(), x.stride(0), static_cast<const W*>(panels.data_ptr()),
+                 bias ? static_cast<const W*>(bias->data_ptr()) : nullptr, static_cast<W*>(out.data_ptr()), M, N, K);
+}
+
+Tensor onednn_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+#if !AT_MKLDNN_ENABLED()
+    STD_TORCH_CHECK(false, "linear_cpu: this torch has no oneDNN, so no oneDNN weight can be passed");
+    return x;
+#else
+    Tensor xc = x.is_contiguous() ? x : torch::stable::contiguous(x);
+    AtenTensorHandle b = bias ? bias->get() : nullptr, ret;
+    STD_TORCH_CHECK(aoti_torch_cpu__linear_pointwise(xc.get(), weight.get(), bias ? &b : nullptr, "none", nullptr, 0,
+                                                     nullptr, &ret) == AOTI_TORCH_SUCCESS,
+                    "linear_cpu: oneDNN's linear failed");
+    return Tensor(ret);
+#endif
+}
+
+Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> onednn_weight,
+                  std::optional<Tensor> bias, int64_t out_features, int64_t small_m) {
+    check_cpu(x, "x");
+    STD_TORCH_CHECK(panels || onednn_weight, "linear_cpu: give panels, a oneDNN weight, or both");
+    STD_TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_cpu: x must be [M, K] with unit stride in K, got ", shape(x));
+    const int64_t M = x.size(0), K = x.size(1);
+    STD_TORCH_CHECK(x.scalar_type() == (panels ? *panels : *onednn_weight).scalar_type(),
+                    "linear_cpu: x must be in the weights' dtype");
+    STD_TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
+                              bias->scalar_type() == x.scalar_type()),
+                    "linear_cpu: bias must be a contiguous [out_features] tensor in x's dtype");
+    if (onednn_weight && (M > small_m || !panels)) return onednn_linear(x, *onednn_weight, bias);
+    const Kind kind = kind_of(*panels, "panels");
+    STD_TORCH_CHECK(panels->dim() == 3 && panels->size(1) == K && panels->size(2) == NR && panels->is_contiguous() &&
+                        0 < out_features && out_features <= panels->size(0) * NR,
+                    "linear_cpu: x ", shape(x), " and out_features ", out_features, " do not fit panels ",
+                    shape(*panels), " (contiguous [ceil(N / 16), K, 16])");
+    Tensor out = empty_as(x, {M, out_features});
+    switch (kind) {
+        case F32: dispatch<float>(x, *panels, bias, out, M, out_features, K); break;
+        case BF16: dispatch<uint16_t>(x, *panels, bias, out, M, out_features, K); break;
+        case F16: dispatch<f16>(x, *panels, bias, out, M, out_features, K); break;
+    }
+    return out;
+}
+
+void pack_panels(Tensor weight, Tensor panels) {
+    check_cpu(weight, "weight");
+    const Kind kind = kind_of(weight, "weight");
+    STD_TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "pack_panels: weight must be a contiguous [N, K] tensor");
+    const int64_t N = weight.size(0), K = weight.size(1);
+    STD_TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (N + NR - 1) / NR && panels.size(1) == K &&
+                        panels.size(2) == NR && panels.is_contiguous() && panels.scalar_type() == weight.scalar_type(),
+                    "pack_panels: panels must be a contiguous [ceil(N / 16), K, 16] tensor in the weight's dtype");
+    switch (kind) {
+        case F32: pack(static_cast<const float*>(weight.data_ptr()), N, K, static_cast<float*>(panels.data_ptr())); break;
+        case BF16:
+            pack(static_cast<const uint16_t*>(weight.data_ptr()), N, K, static_cast<uint16_t*>(panels.data_ptr()));
+            break;
+        case F16: pack(static_cast<const f16*>(weight.data_ptr()), N, K, static_cast<f16*>(panels.data_ptr())); break;
+    }
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_FRAGMENT(toolkit, m) {
+    m.def("linear_cpu(Tensor x, Tensor? panels, Tensor? onednn_weight, Tensor? bias, int out_features, int small_m) "
+          "-> Tensor");
+    m.def("pack_panels(Tensor weight, Tensor(a!) panels) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(toolkit, CPU, m) {
+    m.impl("linear_cpu", TORCH_BOX(&linear_cpu));
+    m.impl("pack_panels", TORCH_BOX(&pack_panels));
+}
+
+// The oneDNN weight is an MkldnnCPU tensor, so a call that passes one dispatches on that key.
+STABLE_TORCH_LIBRARY_IMPL(toolkit, MkldnnCPU, m) { m.impl("linear_cpu", TORCH_BOX(&linear_cpu)); }

@@ -1,0 +1,89 @@
+"""The CPU kernels as torch ops: built (build.py), loaded into the dispatcher, given fake kernels.
+
+- `toolkit::linear_cpu(x, panels, onednn_weight, bias, out_features, small_m)` (csrc/linear.cpp):
+  the linear, panel kernel for small row counts, oneDNN for the rest (toolkit/backends/cpu/linear.py).
+- `toolkit::pack_panels(weight, panels)`: a weight into the panel layout, once at load.
+- `toolkit::paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)` and
+  `toolkit::write_kv_cpu(k, v, kv_cache, slot_mapping)` (csrc/attention.cpp): attention for every
+  step kind and the KV write; `attention/` dispatches to them once the CPU backend registers them.
+
+The ops are C++ end to end (no Python kernel), so an eager call costs a dispatcher call, and a graph
+compiled with Inductor's C++ wrapper calls them without entering Python. Their fake kernels, for
+tracing, are the Python functions below.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from toolkit.backends.cpu import build
+
+log = logging.getLogger("toolkit")
+
+SOURCES = {"linear": build.CSRC / "linear.cpp", "attention": build.CSRC / "attention.cpp"}
+_loaded: dict[str, Path] = {}
+_failed: dict[str, str] = {}
+_building: Future | None = None
+
+
+def start_build() -> None:
+    """Start building every kernel not loaded yet, in the background (the compilers are subprocesses,
+    so the caller's own start-up work, such as reading weights, overlaps them). `load` waits."""
+    global _building
+    todo = [name for name in SOURCES if name not in _loaded and name not in _failed]
+    if todo and _building is None:
+        _building = ThreadPoolExecutor(1).submit(build.build_all, [SOURCES[name] for name in todo])
+
+
+def load() -> dict[str, str]:
+    """Build (or wait for `start_build`) and load every kernel not loaded yet; returns {kernel: why it is
+    unavailable}. Each failure warns once, naming the source file; callers use torch's own ops instead."""
+    global _building
+    start_build()
+    if _building is not None:
+        results, _building = _building.result(), None
+        for name, source in SOURCES.items():
+            result = results.get(source)
+            if result is None or name in _loaded or name in _failed:
+                continue
+            if isinstance(result, Exception):
+                _failed[name] = str(result)
+                warnings.warn(f"the CPU {name} kernel ({source}) is unavailable, so torch's own ops run instead, "
+                              f"several times slower: {result}", RuntimeWarning, stacklevel=2)
+                continue
+            torch.ops.load_library(str(result))
+            _register_fakes(name)
+            _loaded[name] = result
+    return dict(_failed)
+
+
+def available(name: str) -> bool:
+    """Whether kernel `name` ("linear" or "attention") was built and loaded in this process."""
+    return name in _loaded
+
+
+@functools.cache
+def _register_fakes(name: str) -> None:
+    if name == "linear":
+        torch.library.register_fake("toolkit::linear_cpu")(_linear_fake)
+    elif name == "attention":
+        torch.library.register_fake("toolkit::paged_attention_cpu")(_attention_fake)
+        torch.library.register_fake("toolkit::write_kv_cpu")(_write_fake)
+
+
+def _linear_fake(x, panels, onednn_weight, bias, out_features, small_m):
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _attention_fake(q, kv_cache, query_start_loc, seq_lens, block_tables, scale):
+    return q.new_empty(q.shape).contiguous()
+
+
+def _write_fake(k, v, kv_cache, slot_mapping):
+    return None

@@ -1,0 +1,248 @@
+"""The CPU linear: which implementation serves which row counts, chosen by the machine, and the module
+that holds the weights for it.
+
+Two implementations stand behind the one op `toolkit::linear_cpu` (csrc/linear.cpp): the panel
+kernel, a stream over W at memory speed that wins for decode-sized M, and oneDNN, which uses native
+bf16 units (AVX-512 BF16, AMX) and wins once M makes the matmul compute-bound. Where each wins depends
+on the CPU, the dtype and the shapes, so `choose` measures it at engine start on one decoder layer's
+own shapes: `small_m` is the largest row count the panel kernel serves, the op sends larger ones to
+oneDNN. The choice is cached per CPU, torch version, threads, dtype and shapes
+(`$TOOLKIT_CACHE/kernels/linear-choices.json`) and logged once. Where oneDNN has no native units for
+the dtype (bf16 on an AVX2-only CPU, fp16 without AVX-512 FP16/AMX), it is never measured: the panel
+kernel serves every M and no oneDNN weight is kept.
+
+A layer keeps the weight in each layout its choice uses: both where the panel kernel serves small M
+and oneDNN the rest (the engine logs the memory that costs), one otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from toolkit.backends.cpu import build
+
+log = logging.getLogger("toolkit")
+
+PANEL = 16  # output columns per panel
+NEVER = 1 << 62  # small_m that sends every row count to the panel kernel
+ONEDNN_BATCH_HINT = 64  # the row count oneDNN lays its packed weight out for
+CANDIDATE_M = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+MARGIN = 0.95  # oneDNN must be 5% faster to take a row count: ties go to the one-copy layout
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """What every linear of a model uses: small_m as in the op; panels and/or a oneDNN weight."""
+
+    panels: bool
+    onednn: bool
+    small_m: int
+    source: str  # "measured", "cached", "rule: ..." or "config"
+
+    def describe(self) -> str:
+        if not self.onednn:
+            return "the panel kernel for every row count"
+        if not self.panels:
+            return "oneDNN for every row count"
+        return f"the panel kernel for up to {self.small_m} rows, oneDNN above"
+
+
+def onednn_native(dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes `dtype` with native units here (never emulated)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def plan_for(choice: str, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> LinearPlan | None:
+    """The plan for `choice` ("auto", "panel", "onednn" or "torch"), the kernel being loaded; None
+    means plain nn.Linear."""
+    if choice == "torch" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    if choice == "panel":
+        return LinearPlan(True, False, NEVER, "config")
+    if choice == "onednn":
+        if not onednn_native(dtype):
+            raise ValueError(f"cpu_linear='onednn': oneDNN has no native {dtype} units on this CPU (it would emulate them)")
+        return LinearPlan(False, True, 0, "config")
+    if not onednn_native(dtype):
+        return LinearPlan(True, False, NEVER, f"rule: oneDNN would emulate {str(dtype).removeprefix('torch.')} here")
+    return choose(dtype, shapes)
+
+
+def choose(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> LinearPlan:
+    """Measure the panel kernel against oneDNN on `shapes` ([(N, K)] of one decoder layer), or read the
+    cached result of that measurement."""
+    key = _choice_key(dtype, shapes)
+    path = build.cache_dir() / "linear-choices.json"
+    cached = _read_choices(path).get(key)
+    if cached is not None:
+        return LinearPlan(**{**cached, "source": "cached"})
+    start = time.perf_counter()
+    small_m = _measure_small_m(dtype, shapes)
+    plan = LinearPlan(panels=small_m > 0, onednn=small_m < NEVER, small_m=small_m, source="measured")
+    log.info("measured the CPU linear kernels on the model's shapes in %.1f s", time.perf_counter() - start)
+    choices = _read_choices(path)
+    choices[key] = {k: v for k, v in asdict(plan).items() if k != "source"}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
+        tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as e:  # the choice still serves this process; the next start measures again
+        log.warning("could not save the linear kernel choice to %s: %s", path, e)
+    return plan
+
+
+def _choice_key(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> str:
+    parts = [build.cpu_flags(), torch.__version__, str(torch.get_num_threads()), str(dtype), json.dumps(sorted(shapes))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _read_choices(path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):  # none yet, or a damaged file: measure again
+        return {}
+
+
+def _measure_small_m(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> int:
+    """The largest candidate M up to which the panel kernel is not beaten by oneDNN (by MARGIN);
+    0 when oneDNN wins already at one row, NEVER when it wins at none."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=generator) * 0.02).to(dtype) for n, k in shapes]
+    panels = [pack(w) for w in weights]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT) for w in weights]
+    op = torch.ops.toolkit.linear_cpu.default
+    wins = []
+    with torch.inference_mode():
+        for m in CANDIDATE_M:
+            xs = [torch.randn(m, k, generator=generator).to(dtype) for _, k in shapes]
+
+            def run(use_panels):
+                for x, p, o, (n, _) in zip(xs, panels, onednn, shapes):
+                    op(x, p, o, None, n, NEVER if use_panels else 0)
+
+            panel_s, onednn_s = _best_of(run, True), _best_of(run, False)
+            wins.append(onednn_s < MARGIN * panel_s)
+            log.debug("linear at M=%d: panel %.3f ms, oneDNN %.3f ms", m, panel_s * 1e3, onednn_s * 1e3)
+    if not any(wins):
+        return NEVER
+    first = wins.index(True)
+    # Beyond the first oneDNN win the matmuls only grow more compute-bound: oneDNN keeps the rest.
+    return 0 if first == 0 else CANDIDATE_M[first - 1]
+
+
+def _best_of(run, arg, reps: int = 5) -> float:
+    """The fastest of `reps` timed calls, after one untimed (the first touches the weights)."""
+    run(arg)
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        run(arg)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# --- the module ----------------------------------------------------------------------------------
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (float32, bfloat16 or float16, CPU) -> panels [ceil(N / 16), K, 16] of the same dtype."""
+    n, k = weight.shape
+    panels = _empty_on_huge_pages((-(-n // PANEL), k, PANEL), weight.dtype)
+    torch.ops.toolkit.pack_panels(weight.contiguous(), panels)
+    return panels
+
+
+class CPULinear(nn.Module):
+    """y = x W^T + b through `toolkit::linear_cpu`, W held as panels and/or a oneDNN weight."""
+
+    def __init__(self, linear: nn.Linear, plan: LinearPlan):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.small_m = plan.small_m
+        weight = linear.weight.detach()
+        self.register_buffer("panels", pack(weight) if plan.panels else None, persistent=False)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT) if plan.onednn else None
+        self.register_buffer("onednn_weight", onednn, persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        if hasattr(linear, "splits"):
+            self.splits = linear.splits  # a MergedLinear's parts (toolkit/merged_linear.py)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.toolkit.linear_cpu.default(x, self.panels, self.onednn_weight, self.bias, self.out_features,
+                                                    self.small_m)
+
+    def extra_repr(self) -> str:
+        layouts = "+".join(name for name, t in (("panels", self.panels), ("onednn", self.onednn_weight)) if t is not None)
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"weights={layouts}, small_m={self.small_m}"
+
+
+def pack_linears(model: nn.Module, plan: LinearPlan) -> int:
+    """Replace every nn.Linear in `model` by a CPULinear under `plan`; returns how many.
+
+    A Linear whose weight is shared with another module (a tied lm_head) is packed as a copy; the
+    embedding keeps the original. Untied weights are released, so resident memory holds only the
+    layouts the plan uses.
+    """
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, nn.Linear)]
+    for parent, name, child in swaps:
+        setattr(parent, name, CPULinear(child, plan))
+    return len(swaps)
+
+
+def layer_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """(N, K) of the first decoder layer's linears: the shapes the choice is measured on."""
+    layer = model.model.layers[0]
+    return sorted({(m.out_features, m.in_features) for m in layer.modules() if isinstance(m, nn.Linear)})
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+def _empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty, but starting on a 2 MiB boundary with its whole 2 MiB pages advised for transparent
+    huge pages (where the kernel allows them, as Debian's default "madvise" mode does). A decode step
+    streams every weight once: with 4 KiB pages that is a TLB miss every 4 KiB. Only pages wholly
+    inside the tensor are advised, so nothing past it becomes resident; the up to 2 MiB skipped before
+    it is address space, never touched."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    madvise = _madvise()
+    if nbytes < HUGE_PAGE or madvise is None:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    madvise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)  # a refusal only costs speed
+    return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+@functools.cache
+def _madvise():
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+

@@ -1,0 +1,59 @@
+"""Every environment variable the toolkit reads, in one place (vLLM's `envs.py` habit).
+
+A variable only ever sets a default: the engine's behaviour is decided by `EngineConfig`'s fields
+(toolkit/config.py), and a field given in code or on the command line wins over the variable.
+Read lazily, on each call, so a test or a notebook can change one before building an engine.
+
+| variable | default | what it sets |
+|---|---|---|
+| `TOOLKIT_CACHE` | `~/.cache/toolkit` | the root of everything built: kernels, Inductor's caches, kernel choices, the default model |
+| `TOOLKIT_CPU_KERNELS` | `1` | `EngineConfig.cpu_kernels`: build and use the C++ CPU kernels (0: torch's own ops) |
+| `TOOLKIT_CPU_LINEAR` | `auto` | `EngineConfig.cpu_linear`: which linear implementation serves which row counts |
+| `TOOLKIT_CPP_WRAPPER` | `1` | `EngineConfig.cpp_wrapper`: compiled CPU steps run Inductor's C++ wrapper |
+| `CXX` | `c++` | the C++ compiler for the CPU kernels |
+
+`parallel/` reads its own `TOOLKIT_DIST_TIMEOUT` (parallel/distributed.py): a leaf package does not
+import the toolkit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CPU_LINEAR_CHOICES = ("auto", "panel", "onednn", "torch")
+
+
+def cache_root() -> Path:
+    """The folder under which the toolkit keeps what it builds."""
+    return Path(os.environ.get("TOOLKIT_CACHE") or Path.home() / ".cache" / "toolkit")
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+
+
+def cpu_kernels() -> bool:
+    return _flag("TOOLKIT_CPU_KERNELS", True)
+
+
+def cpu_linear() -> str:
+    value = os.environ.get("TOOLKIT_CPU_LINEAR") or "auto"
+    if value not in CPU_LINEAR_CHOICES:
+        raise ValueError(f"TOOLKIT_CPU_LINEAR must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {value!r}")
+    return value
+
+
+def cpp_wrapper() -> bool:
+    return _flag("TOOLKIT_CPP_WRAPPER", True)
+
+
+def cxx() -> str:
+    return os.environ.get("CXX") or "c++"

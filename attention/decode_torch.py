@@ -1,5 +1,5 @@
-"""Decode attention written for Inductor: decode-only steps when compiled, where the CPU kernel
-(`decode_cpu.py`) does not run (off CPU, or with no C++ compiler to build it).
+"""Decode attention written for Inductor: decode-only steps of the torch backend when compiled (a
+device backend's own kernel, such as the CPU one, replaces it where registered).
 
 The reference (`reference.py`) gathers each request's blocks into a padded copy and calls SDPA:
 right for any batch, but every layer pays a full copy of the batch's KV (the step profile of a

@@ -14,11 +14,11 @@ class AttentionMetadata:
     block_tables:    int32 [B, max_blocks]; request i's physical KV blocks in order, padded with 0s.
     slot_mapping:    int64 [T]; cache slot of each packed token (block_id * block_size + offset),
                      -1 for padding tokens, which are not written.
-    backend:         "torch" (reference, any device) or "triton".
-    decode_only:     every row is one decode token (q row i is request i's). Compiled steps pad such a
-                     batch's rows to the token bucket. The torch backend then runs the CPU decode kernel
-                     (`decode_cpu.py`) on CPU, or traces decode attention (`decode_torch.py`) into the
-                     graph elsewhere, instead of calling the general opaque op.
+    backend:         "torch" (reference, any device), "triton", or one a device backend registered
+                     (`ops.register_backend`; the CPU kernels are "cpu").
+    decode_only:     every row is one decode token (q row i is request i's). The torch backend then
+                     traces decode attention (`decode_torch.py`) into a compiled graph instead of
+                     calling the general opaque op; other backends serve every step kind alike.
     """
 
     query_start_loc: torch.Tensor

@@ -4,17 +4,38 @@ Custom ops are opaque to torch.compile: the compiler sees only their fake (meta)
 so a model calling them traces with fullgraph=True, while the real implementations are free to use
 data-dependent Python (the torch reference calls .tolist()). The Triton ops are registered here too,
 but triton itself is imported only when one of them first runs, so the package imports without it.
+
+Backends, named by `AttentionMetadata.backend`: "torch" (the reference, any device), "triton", and
+those a device backend registers with `register_backend` (the CPU kernels register "cpu",
+toolkit/backends/cpu/): this package knows no device's kernels itself.
 """
+
+from collections.abc import Callable
 
 import torch
 
 from .metadata import AttentionMetadata
-from . import decode_cpu
 from .decode_torch import decode_attention_torch
 from .reference import paged_attention_torch, write_kv_torch
 from .write_torch import write_kv_traced
 
-BACKENDS = ("torch", "triton")
+BUILTIN_BACKENDS = ("torch", "triton")
+# name -> (paged_attention_fn, write_kv_fn); written by register_backend.
+_REGISTERED: dict[str, tuple[Callable, Callable]] = {}
+
+
+def register_backend(name: str, paged_attention_fn: Callable, write_kv_fn: Callable) -> None:
+    """Add an attention backend: `paged_attention_fn(q, kv_cache, metadata, scale)` and
+    `write_kv_fn(k, v, kv_cache, slot_mapping)`, with `paged_attention`'s and `write_kv`'s contracts,
+    for every step kind."""
+    if name in BUILTIN_BACKENDS:
+        raise ValueError(f"{name!r} is a built-in attention backend")
+    _REGISTERED[name] = (paged_attention_fn, write_kv_fn)
+
+
+def backends() -> tuple[str, ...]:
+    """Every backend name a step can use in this process."""
+    return BUILTIN_BACKENDS + tuple(_REGISTERED)
 
 
 @torch.library.custom_op("toolkit::write_kv", mutates_args=("kv_cache",))
@@ -78,13 +99,15 @@ def write_kv(
     """
     if backend == "triton":
         torch.ops.toolkit.write_kv_triton(k, v, kv_cache, slot_mapping)
+    elif backend in _REGISTERED:
+        _REGISTERED[backend][1](k, v, kv_cache, slot_mapping)
     elif backend == "torch":
         if torch.compiler.is_compiling():
             write_kv_traced(k, v, kv_cache, slot_mapping)
         else:
             torch.ops.toolkit.write_kv(k, v, kv_cache, slot_mapping)
     else:
-        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {backends()}")
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -99,11 +122,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: Attention
     if metadata.backend == "triton":
         return torch.ops.toolkit.paged_attention_triton(*args)
     if metadata.backend == "torch":
-        if metadata.decode_only and decode_cpu.supports(q, kv_cache):
-            # Eager or compiled: the C++ kernel (decode_cpu.py), an opaque op to the compiler.
-            return decode_cpu.paged_decode_cpu(q, kv_cache, metadata.seq_lens, metadata.block_tables, scale)
         if metadata.decode_only and torch.compiler.is_compiling():
             # Traced, so Inductor fuses the paged gather into the reductions (see decode_torch.py).
             return decode_attention_torch(q, kv_cache, metadata.seq_lens, metadata.block_tables, scale)
         return torch.ops.toolkit.paged_attention(*args)
-    raise ValueError(f"unknown attention backend {metadata.backend!r}; expected one of {BACKENDS}")
+    registered = _REGISTERED.get(metadata.backend)
+    if registered is not None:
+        return registered[0](q, kv_cache, metadata, scale)
+    raise ValueError(f"unknown attention backend {metadata.backend!r}; expected one of {backends()}")

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from cli.errors import CliError
-from toolkit.paths import cache_root
+from toolkit.envs import cache_root
 from toolkit.weights import checkpoint_files
 
 TRAINED_MODEL = Path(__file__).resolve().parent.parent / "toolkit" / "default_model" / "target"

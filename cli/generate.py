@@ -297,7 +297,8 @@ def base_params(sampling: dict) -> SamplingParams:
 
 
 def load_engine(model: Path | None, engine_args: dict, console, quiet: bool):
-    from toolkit.engine import Engine, EngineConfig
+    from toolkit.config import EngineConfig
+    from toolkit.engine import Engine
 
     def warn(message: str) -> None:
         console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)

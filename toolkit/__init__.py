@@ -1,6 +1,7 @@
 """A small, torch.compile-centric LLM inference toolkit with vLLM's offline API."""
 
-from toolkit.engine import Engine, EngineConfig
+from toolkit.config import EngineConfig
+from toolkit.engine import Engine
 from toolkit.llm import LLM
 from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from toolkit.sampling_params import SamplingParams

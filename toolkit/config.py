@@ -1,18 +1,24 @@
-"""Model configuration: what the toolkit needs to know about a Hugging Face checkpoint.
+"""The configuration tree: `EngineConfig` (what the user asks for) and `ModelConfig` (the checkpoint).
 
-Configs are parsed by `transformers.AutoConfig`, which understands every spelling of every key
-(old `rope_theta`/`rope_scaling` and new `rope_parameters`, `torch_dtype` and `dtype`, ...).
-This module turns that into one flat, validated `ModelConfig`, and refuses options the model
-code does not implement instead of silently computing something else.
+`EngineConfig` is passed down whole: the engine resolves its open choices once (`resolve`: the
+device, the dtype, the context length, the attention backend) and every part reads the fields it
+needs from that one object. Environment variables only set some fields' defaults (toolkit/envs.py).
+
+Model configs are parsed by `transformers.AutoConfig`, which understands every spelling of every key
+(old `rope_theta`/`rope_scaling` and new `rope_parameters`, `torch_dtype` and `dtype`, ...). This
+module turns that into one flat, validated `ModelConfig`, and refuses options the model code does
+not implement instead of silently computing something else.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+
+from toolkit import envs
 
 # Architectures served by the dense decoder family in `toolkit.models.llama`.
 SUPPORTED_ARCHITECTURES = {
@@ -38,6 +44,68 @@ DTYPES = {
 
 class UnsupportedModelError(ValueError):
     """The checkpoint asks for an architecture or option the toolkit does not implement."""
+
+
+ATTENTION_BACKENDS = ("torch", "triton", "cpu")
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine is built from. `LLM(model, **fields)` takes the same names (vLLM's)."""
+
+    model: str
+    dtype: str | torch.dtype = "auto"
+    device: str | torch.device | None = None  # None: cuda when available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None  # None: 0.9 of free memory on CUDA, 0.3 on a CPU host
+    enforce_eager: bool = False
+    # None: the device backend's own (triton on CUDA, the C++ kernels on CPU where built, else torch).
+    attention_backend: str | None = None
+    scheduling_policy: str = "fcfs"
+    seed: int | None = 0
+    skip_tokenizer_init: bool = False
+    # vLLM's meaning; tp * dp processes started by torchrun (see parallel/). 1 x 1: one process.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
+    compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
+    cuda_graphs: bool = True  # on CUDA with the Triton backend, replay captured graphs for decode-only steps
+    # CPU only (toolkit/backends/cpu/). Build and use the C++ kernels (linear, attention).
+    cpu_kernels: bool = field(default_factory=envs.cpu_kernels)
+    # Which linear serves which row counts: "auto" measures the panel kernel against oneDNN on the
+    # model's shapes at start (cached); "panel", "onednn" force one; "torch" keeps plain nn.Linear.
+    cpu_linear: str = field(default_factory=envs.cpu_linear)
+    # Compiled CPU steps run Inductor's C++ wrapper: no Python between the kernels of a step.
+    cpp_wrapper: bool = field(default_factory=envs.cpp_wrapper)
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.cpu_linear not in envs.CPU_LINEAR_CHOICES:
+            raise ValueError(f"cpu_linear must be one of {', '.join(envs.CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
+
+    def resolve(self, model_config: "ModelConfig", device: torch.device) -> "EngineConfig":
+        """A copy with the model-dependent choices made: a torch dtype, the device, max_model_len.
+        (The attention backend is the device backend's to choose: toolkit/backends.)"""
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                             f"{model_config.max_position_embeddings}")
+        return replace(self, dtype=resolve_dtype(self.dtype, model_config.checkpoint_dtype), device=torch.device(device),
+                       max_model_len=max_model_len)
 
 
 @dataclass

@@ -15,14 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention import cpp_build, decode_cpu
 from parallel import setup_parallel
 from scheduling import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
-from toolkit import decode_step_cpu, linear_cpu
-from toolkit.config import ModelConfig, check_sliding_window, load_model_config, resolve_dtype
+from toolkit import backends
+from toolkit.config import EngineConfig, ModelConfig, check_sliding_window, load_model_config
 from toolkit.detokenizer import IncrementalDetokenizer
 from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from toolkit.packed_linear import packing_supported
 from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
 from toolkit.sampling_params import SamplingParams
@@ -36,44 +34,6 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
-
-
-@dataclass
-class EngineConfig:
-    model: str
-    dtype: str | torch.dtype = "auto"
-    device: str | None = None  # None: cuda when available, else cpu
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    kv_cache_memory_bytes: int | None = None
-    kv_cache_memory_fraction: float | None = None
-    enforce_eager: bool = False
-    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
-    scheduling_policy: str = "fcfs"
-    seed: int | None = 0
-    skip_tokenizer_init: bool = False
-    # vLLM's meaning; tp * dp processes started by torchrun (see parallel/). 1 x 1: one process.
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
-    compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
-    cuda_graphs: bool = True  # on CUDA with the Triton backend, replay captured graphs for decode-only steps
-    # On CPU, repack linear weights once for the panel kernel (or oneDNN) (toolkit/packed_linear.py);
-    # tensor-parallel ranks keep plain DTensor weights.
-    prepack_weights: bool = True
-
-    def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if self.attention_backend not in (None, "torch", "triton"):
-            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
 
 
 @dataclass
@@ -104,49 +64,22 @@ class _Group:
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.model_config: ModelConfig = load_model_config(config.model)
         mc = self.model_config
         # Joins the process group when tp * dp > 1; checks the sizes against the world and the heads first.
         self.parallel = setup_parallel(config.tensor_parallel_size, config.data_parallel_size, config.device, mc)
         self.tp = self.parallel.tp if self.parallel is not None else None
-        self.device = self.parallel.device if self.parallel is not None else torch.device(
+        device = self.parallel.device if self.parallel is not None else torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = resolve_dtype(config.dtype, mc.checkpoint_dtype)
-        if self.device.type == "cpu":  # before the dtype check below loads the linear kernel
-            cpp_build.build_all({linear_cpu.SOURCE: linear_cpu.SWITCH, decode_cpu.SOURCE: decode_cpu.SWITCH,
-                                 decode_step_cpu.SOURCE: decode_step_cpu.SWITCH})
-        if self.device.type == "cpu" and self.dtype != torch.float32 and not packing_supported(self.device, self.dtype):
-            log.warning(
-                "%s on a CPU without native %s units (no AVX-512 BF16/AMX here) and without the panel linear kernel "
-                "(toolkit/linear_cpu.py): matmuls run emulated, several times slower than float32", self.dtype, self.dtype)
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {mc.max_position_embeddings}"
-            )
-        check_sliding_window(mc, self.max_model_len)
+        config = config.resolve(mc, device)
+        check_sliding_window(mc, config.max_model_len)
+        # The device's kernels (built at once on CPU), its attention backend, its model changes.
+        self.backend = backends.for_device(config, mc)
+        self.config = config
+        self.device, self.dtype, self.max_model_len = config.device, config.dtype, config.max_model_len
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
-        backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.runner = ModelRunner(
-            mc,
-            dtype=self.dtype,
-            device=self.device,
-            max_model_len=self.max_model_len,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            kv_cache_memory_fraction=config.kv_cache_memory_fraction,
-            enforce_eager=config.enforce_eager,
-            attention_backend=backend,
-            load_format=config.load_format,
-            compile_backend=config.compile_backend,
-            cuda_graphs=config.cuda_graphs,
-            prepack_weights=config.prepack_weights,
-            tp=self.tp,
-        )
+        self.runner = ModelRunner(config, mc, self.backend, self.tp)
         kv = self.runner.kv_spec
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -162,6 +95,16 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, _Group] = {}
         self._log_kv_cache()
+
+    def stats(self) -> dict:
+        """What this engine built and where it stands: the runner's load and compile times, KV cache,
+        backend choices, and the scheduler's queues (what benchmarks and progress displays read)."""
+        return {**self.runner.stats(), "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+                "free_blocks": self.scheduler.num_free_blocks}
+
+    def request_output_len(self, request_id: str) -> int:
+        """Tokens generated so far by a running sequence (the scheduler's count)."""
+        return len(self.scheduler.get_request(request_id).output_token_ids)
 
     def _log_kv_cache(self) -> None:
         kv = self.runner.kv_spec

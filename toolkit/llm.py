@@ -8,7 +8,8 @@ from collections.abc import Iterable, Sequence
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from parallel import gather_outputs, is_main_process, my_share, request_cost
-from toolkit.engine import Engine, EngineConfig
+from toolkit.config import EngineConfig
+from toolkit.engine import Engine
 from toolkit.outputs import RequestOutput
 from toolkit.sampling_params import SamplingParams
 from toolkit.tokenizer import render_chat

@@ -106,7 +106,7 @@ def load_model(
     """`load_format="dummy"` fills seeded random weights instead of reading files (benchmarks of model shapes).
 
     `tp` (a `parallel.TensorParallel`, or None) gives the meta model this rank's shard shapes before
-    loading, reads only this rank's slices, and applies the DTensor plan after loading.
+    loading and reads only this rank's slices; `transforms.apply` installs the DTensor plan after.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
@@ -118,10 +118,7 @@ def load_model(
     else:
         load_weights(model, config.path, dtype, device, read_slice=tp.read_slice if tp is not None else None)
     model.tie_weights()
-    model = model.to(device).eval()
-    if tp is not None:
-        tp.parallelize(model)
-    return model.requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def fill_random(model: nn.Module, dtype: torch.dtype, device: torch.device, std: float, seed: int = 0) -> None:

@@ -1,0 +1,107 @@
+"""Every change made to a model after loading, in one function and one visible order (`apply`).
+
+The model code (toolkit/models/) is plain PyTorch and knows nothing of what follows; each change is
+applied from outside, as torchtitan's `parallelize_llama` does:
+
+1. Tensor parallel: this rank's loaded slices become DTensors and the plan's redistributions are
+   installed (parallel/tensor_parallel.py). Loading already read only this rank's slices.
+2. Merged linears: q/k/v and gate/up, which read the same input, become one matmul each
+   (toolkit/merged_linear.py), where no TP plan shards them apart.
+3. The device backend's changes (toolkit/backends): on CPU the linears' weight layouts for the
+   kernels the machine chose.
+4. Compile: the whole step (embedding to logits) as one torch.compile'd graph, unless enforce_eager.
+5. The device backend's replay of decode steps: CUDA graphs on CUDA.
+
+The result is a `Step`: StepInputs (toolkit/inputs.py) in, float32 logits of the sampled rows out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+
+import torch
+
+from toolkit import envs
+from toolkit.merged_linear import merge_linears
+
+log = logging.getLogger("toolkit")
+
+_STEP_IDS = itertools.count()
+
+
+class Step:
+    """A model call over this engine's KV caches: the eager model or its compiled step."""
+
+    def __init__(self, forward, kv_caches: list[torch.Tensor], compiled: bool):
+        self.forward = forward  # (input_ids, positions, kv_caches, meta, logits_indices) -> logits
+        self.kv_caches = kv_caches
+        self.compiled = compiled
+        # The model's float constants (eps, scale) are constants of the graph: traced as symbolic floats,
+        # Dynamo would trace the whole model once more after failing to turn them into tensors.
+        self._dynamo_config = torch._dynamo.config.patch(specialize_float=True) if compiled else None
+
+    def __call__(self, inputs) -> torch.Tensor:
+        if self._dynamo_config is None:
+            return self.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+        with self._dynamo_config:
+            return self.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+
+
+def apply(model: torch.nn.Module, kv_caches: list[torch.Tensor], config, backend, tp=None) -> tuple[Step, list[str]]:
+    """Apply the changes above to a loaded model, in order; returns its step and what was applied."""
+    applied = []
+    if tp is not None:
+        tp.parallelize(model)
+        applied.append(f"tensor parallel over {tp.size} ranks")
+    else:
+        applied.append(f"{merge_linears(model)} linear groups merged")
+    applied += backend.prepare_model(model, tp)
+    if config.enforce_eager:
+        step = Step(model, kv_caches, compiled=False)
+    else:
+        step = Step(compile_step(model, config, backend), kv_caches, compiled=True)
+        applied.append(f"compiled ({config.compile_backend}, options {backend.compile_options()})")
+    wrapped = backend.wrap_step(step)
+    if wrapped is not step:
+        applied.append("decode steps replay CUDA graphs")
+    log.info("model changes: %s", "; ".join(applied))
+    return wrapped, applied
+
+
+def compile_step(model: torch.nn.Module, config, backend):
+    """The whole model as one torch.compile'd function, dynamic in every batch size (the runner marks
+    them), with a Dynamo cache of its own."""
+    _use_persistent_inductor_cache()
+
+    def step(input_ids, positions, kv_caches, meta, logits_indices):
+        return model(input_ids, positions, kv_caches, meta, logits_indices)
+
+    # Dynamo keeps compiled code per code object, and every function made from this `def` would share
+    # one: a copy of the code gives each engine a cache of its own, freed with the engine, so a process
+    # that builds engine after engine never reaches Dynamo's recompile limit.
+    step.__code__ = step.__code__.replace(co_name=f"step_{next(_STEP_IDS)}")
+    options = {**backend.compile_options(), "guard_filter_fn": _guards_on_inputs}
+    return torch.compile(step, fullgraph=True, dynamic=True, backend=config.compile_backend, options=options)
+
+
+def _guards_on_inputs(entries) -> list[bool]:
+    """Keep the guards on the step's inputs and on global state; drop those on the model (its closure
+    variable) and on imported modules. The model is this engine's own and is not changed after
+    `apply`, and its ~2,000 guards (every parameter and module attribute of a 12-layer model) cost
+    more than half a millisecond a step. What can change between steps is in the inputs: their
+    dtypes, ranks and strides, the attention backend and the step kind."""
+    return [not entry.name.startswith(("model", "G[")) for entry in entries]
+
+
+def _use_persistent_inductor_cache() -> None:
+    """Point Inductor's on-disk caches at $TOOLKIT_CACHE/inductor (default ~/.cache/toolkit/inductor),
+    which outlives a reboot, unless the user chose a directory. Importing torch._dynamo (which
+    something may have done already) fills the variable with torch's default under /tmp, so a
+    value equal to that default counts as unset; Inductor reads the variable on every lookup."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(envs.cache_root() / "inductor")

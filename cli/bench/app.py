@@ -4,7 +4,7 @@ Every figure is reported next to the same figure of each peer (transformers' `ge
 CPU build in its own environment) and as a ratio ours / peer, because absolute numbers on a shared
 machine are noisy and ratios taken minutes apart are much less so. The machine's roofline (matmul
 peak in the model's dtype, memory read bandwidth) is measured in the same run too. Definitions and
-formulas: cli/bench_metrics.py, cli/bench_roofline.py and docs/benchmarks.md.
+formulas: cli/bench/metrics.py, cli/bench/roofline.py and docs/benchmarks.md.
 
 The lead registers this sub-app in cli/main.py: `app.add_typer(bench_app, name="bench")`.
 """
@@ -21,15 +21,15 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cli.bench_metrics import combine_throughput, decode_metrics, latency_metrics
-from cli.bench_model import SHAPES, resolve_model
-from cli.bench_report import build_rows, render_table, report_json
-from cli.bench_roofline import (
+from cli.bench.metrics import combine_throughput, decode_metrics, latency_metrics
+from cli.bench.model import SHAPES, resolve_model
+from cli.bench.report import build_rows, render_table, report_json
+from cli.bench.roofline import (
     bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
     workload_flops,
 )
-from cli.bench_systems import BenchError, HFSystem, OursSystem, VLLMSystem, python_of
-from cli.bench_workload import BenchRequest, load_dataset, random_workload, workload_summary
+from cli.bench.systems import BenchError, HFSystem, OursSystem, VLLMSystem, python_of
+from cli.bench.workload import BenchRequest, load_dataset, random_workload, workload_summary
 
 bench_app = typer.Typer(
     help="Benchmark the engine (throughput, latency) against transformers and vLLM in the same run.",

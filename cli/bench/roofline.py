@@ -148,8 +148,8 @@ def compute_peak(peak: dict, other_peak: dict) -> dict:
 
     A bf16 product is exact in float32, so widening bf16 to float32 and using float32 FMAs computes
     the same matmul; a CPU without bf16 units (AVX2) has no faster way to it, and torch's emulated
-    bf16 kernel there (~20 GFLOP/s against ~150) is not the machine's peak. Without this, an engine
-    that widens (ours, toolkit/linear_cpu.cpp) read as 400% of "peak".
+    bf16 kernel there (several times slower than float32) is not the machine's peak. Without this, an
+    engine that widens (ours, toolkit/backends/cpu/csrc/linear.cpp) would read as several times "peak".
     """
     if peak["dtype"] != "float32" and other_peak["dtype"] == "float32" and other_peak["flops_per_s"] > peak["flops_per_s"]:
         return other_peak

@@ -3,17 +3,17 @@
 Each system is started (its start-up timed: construct + one warm-up request of 2 tokens), then runs
 the workload in one mode, and optionally a batch-1 decode run. Results are raw (elapsed times,
 token counts, per-request `RequestTiming`s) so that every figure is computed by the same code for
-every system (`cli.bench_metrics`).
+every system (`cli.bench.metrics`).
 
 How per-token times are measured, from the outside, the same way for all:
 - ours: after every `Engine.step()`, one timestamp; each in-flight request's output length is read
-  (finished ones from the returned `RequestOutput`, running ones from the scheduler's public
-  `get_request(id).output_token_ids`); a request whose length grew got a chunk at that timestamp.
+  (finished ones from the returned `RequestOutput`, running ones from `Engine.request_output_len`);
+  a request whose length grew got a chunk at that timestamp. Start-up figures come from `Engine.stats()`.
 - transformers: a streamer's `put()` is called by `generate` once per decoding step with that
   step's tokens; one timestamp per call. A request's k-th token is the k-th step's, and its tokens
   past its own output length (generated only because the batch runs to its longest request) are
   ignored.
-- vLLM: `LLMEngine.add_request` / `step()` with DELTA outputs (cli/bench_vllm_worker.py): one
+- vLLM: `LLMEngine.add_request` / `step()` with DELTA outputs (cli/bench/vllm_worker.py): one
   timestamp after each step, a chunk per request that got tokens.
 """
 
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from cli.bench_metrics import RequestTiming, throughput_metrics
-from cli.bench_roofline import best_of_probes
-from cli.bench_workload import BenchRequest, hf_batches
+from cli.bench.metrics import RequestTiming, throughput_metrics
+from cli.bench.roofline import best_of_probes
+from cli.bench.workload import BenchRequest, hf_batches
 
 Advance = Callable[[int], None]
 # phase(description, total) -> advance(n): a progress bar task; the default draws nothing.
@@ -75,9 +75,9 @@ class OursSystem:
         constructed = time.perf_counter() - start
         self._drain(self._add([warm]), no_progress("", 1))
         total = time.perf_counter() - start
-        runner = self.llm.engine.runner
+        stats = self.llm.engine.stats()
         return {"total_s": total, "construct_s": constructed, "warmup_s": total - constructed,
-                "load_s": runner.load_seconds, "compile_s": runner.compile_seconds}
+                "load_s": stats["load_s"], "compile_s": stats["compile_s"], "engine": stats}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -107,13 +107,13 @@ class OursSystem:
 
     def throughput(self, requests: list[BenchRequest], phase: Phase) -> dict:
         advance = phase(f"{self.label}: throughput", len(requests))
-        compile_before = self.llm.engine.runner.compile_seconds
+        compile_before = self.llm.engine.stats()["compile_s"]
         start = time.perf_counter()
         tokens = self._drain(self._add(requests), advance)
         elapsed = time.perf_counter() - start
         out = throughput_metrics(len(requests), sum(r.prompt_len for r in requests), tokens, elapsed)
         # A compile inside the timed run would make it slower than steady state: report it.
-        out["compile_in_run_s"] = self.llm.engine.runner.compile_seconds - compile_before
+        out["compile_in_run_s"] = self.llm.engine.stats()["compile_s"] - compile_before
         return out
 
     def latency(self, requests: list[BenchRequest], concurrency: int, phase: Phase,
@@ -145,7 +145,7 @@ class OursSystem:
                     count = len(finished[rid].outputs[0].token_ids)
                 else:
                     try:
-                        count = len(engine.scheduler.get_request(rid).output_token_ids)
+                        count = engine.request_output_len(rid)
                     except KeyError:
                         count = timing.output_len
                 timing.add(now, count - timing.output_len)
@@ -291,7 +291,7 @@ class HFSystem:
 
 # --- vLLM ----------------------------------------------------------------------------------------
 
-WORKER = Path(__file__).with_name("bench_vllm_worker.py")
+WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 def vllm_env() -> dict:

@@ -1,11 +1,11 @@
 """The vLLM side of `toolkit bench --peer vllm`, run by the Python of a separate environment with vLLM.
 
 Not part of the toolkit and never imported by it: it needs only the standard library and vLLM.
-Usage: `PYTHON bench_vllm_worker.py SPEC.json`. The spec names the model, the engine settings, the
+Usage: `PYTHON vllm_worker.py SPEC.json`. The spec names the model, the engine settings, the
 mode and the requests (token ids and output lengths). Progress and the result are JSON lines on
 stdout ({"event": "phase" | "advance" | "result", ...}); vLLM's own logs go to stderr.
 
-Measured the same way as our engine (see cli/bench_systems.py): start-up = constructing `LLM` plus
+Measured the same way as our engine (see cli/bench/systems.py): start-up = constructing `LLM` plus
 one 2-token warm-up request; throughput = `LLM.generate` on all requests; latency and the batch-1
 decode run = `LLMEngine.add_request` / `step()` with DELTA outputs, one timestamp after each step.
 """

@@ -1,13 +1,11 @@
 """The torch reference of the attention ops against plain dense causal attention.
 
-Each case builds a random paged batch (shuffled, non-contiguous block ids, garbage in every slot a
-request does not own), runs paged_attention, and compares every request with dense attention over
-its full K/V computed in float64. The helpers here are reused by tests/test_attention_triton.py.
+Each case builds a random paged batch (tests/attention/batches.py: shuffled, non-contiguous block ids,
+garbage in every slot a request does not own), runs paged_attention, and compares every request
+with dense attention over its full K/V computed in float64.
 """
 
-import math
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,107 +19,7 @@ from attention import (
     paged_attention,
     write_kv,
 )
-
-HEAD_CONFIGS = [(4, 4), (8, 2), (8, 1)]  # (Hq, Hkv): GQA ratio 1, 4, and MQA
-
-
-@dataclass
-class Batch:
-    q: torch.Tensor  # [T, Hq, D]
-    kv_cache: torch.Tensor  # [2, N, block_size, Hkv, D]
-    metadata: AttentionMetadata
-    keys: list  # per request: full K [seq_len, Hkv, D] (context + new tokens)
-    values: list
-    specs: list  # per request: (context_len, q_len)
-    num_tokens: int  # real (non-padding) tokens; rows past it are padding
-    scale: float
-
-
-def make_batch(specs, *, block_size, num_heads, num_kv_heads, head_dim, num_pad=0, dtype=torch.float32, seed=0):
-    """A paged batch whose request i has specs[i] = (context_len, q_len): context_len tokens cached
-    by earlier steps plus q_len new ones, all already in the cache (filled here by a plain loop)."""
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    seq_lens = [c + n for c, n in specs]
-    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 3  # a few blocks nobody owns
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)  # non-contiguous, out-of-order blocks for every request
-
-    # Garbage everywhere a request does not own: a wrong read changes the result visibly.
-    kv_cache = 100 * torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    max_blocks = max(blocks_per_req, default=0) + 1  # one extra column of 0-padding
-    block_tables = torch.zeros(len(specs), max_blocks, dtype=torch.int32)
-    keys, values = [], []
-    for i, seq_len in enumerate(seq_lens):
-        own = [ids.pop() for _ in range(blocks_per_req[i])]
-        block_tables[i, : len(own)] = torch.tensor(own, dtype=torch.int32)
-        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-        for pos in range(seq_len):
-            block, offset = own[pos // block_size], pos % block_size
-            kv_cache[0, block, offset] = k[pos]
-            kv_cache[1, block, offset] = v[pos]
-        keys.append(k)
-        values.append(v)
-
-    q_lens = [n for _, n in specs]
-    num_tokens = sum(q_lens)
-    query_start_loc = torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32)
-    slot_mapping = torch.full((num_tokens + num_pad,), -1, dtype=torch.int64)
-    for i, (ctx, n) in enumerate(specs):
-        for j in range(n):
-            pos = ctx + j
-            block = int(block_tables[i, pos // block_size])
-            slot_mapping[query_start_loc[i] + j] = block * block_size + pos % block_size
-    q = torch.randn(num_tokens + num_pad, num_heads, head_dim, generator=gen).to(dtype)
-    metadata = AttentionMetadata(
-        query_start_loc=query_start_loc,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        slot_mapping=slot_mapping,
-    )
-    return Batch(q, kv_cache.to(dtype), metadata, keys, values, list(specs), num_tokens, head_dim**-0.5)
-
-
-def _cumsum(xs):
-    total = 0
-    for x in xs:
-        total += x
-        yield total
-
-
-def dense_reference(batch: Batch) -> torch.Tensor:
-    """Plain causal attention per request over its full K/V, in float64; padding rows are zero."""
-    q = batch.q.double()
-    out = torch.zeros_like(q)
-    num_heads = q.shape[1]
-    start = 0
-    for (ctx, n), k, v in zip(batch.specs, batch.keys, batch.values):
-        group = num_heads // k.shape[1]
-        k = k.double().repeat_interleave(group, dim=1)  # [S, Hq, D]: head h reads kv head h // group
-        v = v.double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start : start + n], k) * batch.scale
-        query_pos = ctx + torch.arange(n)
-        future = torch.arange(ctx + n)[None, :] > query_pos[:, None]
-        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-        out[start : start + n] = torch.einsum("hqk,khd->qhd", probs, v)
-        start += n
-    return out
-
-
-def random_specs(rng, block_size, num_requests):
-    """A mix of decodes, fresh prefills and later prefill chunks, crossing block boundaries."""
-    specs = []
-    for _ in range(num_requests):
-        kind = rng.choice(["decode", "fresh", "chunk", "chunk"])
-        if kind == "decode":
-            specs.append((rng.randint(0, 3 * block_size), 1))
-        elif kind == "fresh":
-            specs.append((0, rng.randint(2, 2 * block_size + 3)))
-        else:
-            specs.append((rng.randint(1, 2 * block_size + 3), rng.randint(2, block_size + 5)))
-    return specs
+from tests.attention.batches import HEAD_CONFIGS, Batch, dense_reference, make_batch, random_specs
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -310,15 +208,15 @@ def test_traced_decode_attention_matches_dense(num_heads, num_kv_heads, dtype):
 # ---- sizing ---------------------------------------------------------------------------------------
 
 
-def test_kv_cache_sizing_arithmetic():
-    # Llama-3-8B-like: 32 layers, 8 kv heads, head_dim 128, bf16 -> 128 KiB per token.
-    assert kv_cache_bytes_per_token(32, 8, 128, torch.bfloat16) == 2 * 32 * 8 * 128 * 2 == 131072
-    assert kv_cache_bytes_per_token(2, 1, 64, torch.float32) == 1024
+def test_kv_cache_sizing():
+    # Llama-3-8B's published figure: 128 KiB of K and V per token in bf16 (32 layers, 8 kv heads of 128).
+    assert kv_cache_bytes_per_token(32, 8, 128, torch.bfloat16) == 128 * 1024
     kw = dict(num_layers=2, block_size=16, num_kv_heads=1, head_dim=64, dtype=torch.float32)
-    # One block is 16 tokens * 1024 B = 16 KiB; partial blocks are not counted.
-    assert num_blocks_for_budget(16 * 1024 * 10, **kw) == 10
-    assert num_blocks_for_budget(16 * 1024 * 10 + 16383, **kw) == 10
-    assert num_blocks_for_budget(16383, **kw) == 0
+    block = 16 * kv_cache_bytes_per_token(2, 1, 64, torch.float32)
+    # Only whole blocks count; a budget below one block holds none.
+    assert num_blocks_for_budget(10 * block, **kw) == 10
+    assert num_blocks_for_budget(11 * block - 1, **kw) == 10
+    assert num_blocks_for_budget(block - 1, **kw) == 0
     assert num_blocks_for_budget(-5, **kw) == 0
 
 

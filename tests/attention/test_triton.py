@@ -37,7 +37,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from attention import AttentionMetadata, paged_attention, write_kv  # noqa: E402
-from tests.test_attention import make_batch, random_specs  # noqa: E402
+from tests.attention.batches import make_batch, random_specs  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,7 @@ def test_module_in_fresh_process():
     """This whole module, in a new interpreter where TRITON_INTERPRET is set before triton loads."""
     if os.environ.get("_ATTENTION_TRITON_CHILD"):
         pytest.fail("triton was imported before TRITON_INTERPRET even in a fresh process")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
     env = dict(os.environ, TRITON_INTERPRET="1", _ATTENTION_TRITON_CHILD="1")
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)

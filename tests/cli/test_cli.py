@@ -25,7 +25,7 @@ from cli.sizes import parse_size
 from tests.checkpoints import write_checkpoint, write_tokenizer
 from toolkit import LLM, SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 128
 ENGINE_FLAGS = ["--eager", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "8MiB"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -22,7 +22,7 @@ from tests.checkpoints import write_checkpoint, write_tokenizer
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--eager", "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "8MiB",
          "--max-tokens", "6", "--quiet"]
 PROMPTS = ["hello world", "a list comprehension is", "", "the quick brown fox", "tensor parallel"]

@@ -1,9 +1,10 @@
-"""The program tests/test_parallel.py runs under torchrun (it holds no tests itself).
+"""The program tests/parallel/test_parallel.py runs under torchrun (it holds no tests itself).
 
 Every rank builds `LLM(model, tensor_parallel_size=..., data_parallel_size=...)` for each --model
-in turn and generates greedily for the prompts in --prompts; each rank writes what it saw to
-<out>/rank<R>.json: rank 0 the generated token ids, every rank its resident parameter bytes and
-its KV-cache shape. Fault injection for the failure tests: --model-for-rank gives one rank its own
+in turn (the same model may come several times: a process that builds engine after engine) and
+generates greedily for the prompts in --prompts; each rank writes what it saw to <out>/rank<R>.json:
+rank 0 the generated token ids, every rank its resident parameter bytes, its KV-cache shape and the
+graphs each engine compiled. Fault injection for the failure tests: --model-for-rank gives one rank its own
 copy of the checkpoint (e.g. one that lacks a shard file), --fail-rank/--fail-after-steps makes one
 rank exit or hang in the middle of generation.
 """
@@ -16,7 +17,6 @@ import os
 import time
 from pathlib import Path
 
-from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
 from toolkit import LLM, SamplingParams
@@ -47,7 +47,7 @@ def main() -> None:
             "tokens": [o.outputs[0].token_ids for o in outs],
             "param_bytes": resident_param_bytes(runner.model),
             "kv_shape": list(runner.kv_caches[0].shape),
-            "compiled_graphs": counters["stats"]["unique_graphs"],
+            "compiled_graphs": llm.engine.stats()["graphs"],
         })
         del llm
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))

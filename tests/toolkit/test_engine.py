@@ -11,7 +11,6 @@ from safetensors.torch import load_file, save_file
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint, write_tokenizer
 from toolkit import LLM, SamplingParams
 from toolkit.config import UnsupportedModelError
-from toolkit.packed_linear import packing_supported
 from toolkit.weights import CheckpointError
 
 
@@ -204,7 +203,7 @@ def test_dtypes_load(ckpt):
     for dtype, torch_dtype in [("bfloat16", torch.bfloat16), ("auto", torch.float32)]:
         llm = LLM(str(ckpt), dtype=dtype, enforce_eager=True, max_model_len=64)
         assert llm.engine.runner.model.model.norm.weight.dtype == torch_dtype
-        if packing_supported(torch.device("cpu"), torch_dtype):  # qkv, o, gate_up, down per layer + lm_head
-            assert llm.engine.runner.packed_linears == 4 * llm.engine.model_config.num_layers + 1
+        # Every linear runs the CPU kernel's op: qkv, o, gate_up, down per layer, and the lm_head.
+        assert llm.engine.stats()["backend"]["packed_linears"] == 4 * llm.engine.model_config.num_layers + 1
         out = llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4

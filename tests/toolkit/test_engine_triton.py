@@ -34,7 +34,7 @@ def test_triton_backend_matches_torch_backend_end_to_end(tmp_path):
     path = write_checkpoint(tmp_path / "m", "llama3", seed=4, num_hidden_layers=1)
     # Mixed lengths and a 16-token budget: chunked prefills and decodes share steps.
     prompts = random_prompts(3, seed=9, low=2, high=20)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(path), json.dumps(prompts)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
-from toolkit import LLM, SamplingParams, linear_cpu
+from toolkit import LLM, SamplingParams
+from toolkit.backends.cpu import kernels
+from toolkit.backends.cpu.linear import NEVER, LinearPlan, pack_linears
 from toolkit.merged_linear import MergedLinear, merge_linears, project
-from toolkit.packed_linear import pack_linears
 
 
 class Block(nn.Module):
@@ -45,16 +46,16 @@ def test_merged_outputs_match_the_separate_linears(biases):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merged_panels_are_bitwise_the_separate_panels(dtype):
     # The panel kernel computes each 16-column panel alike, so merging must not move a single bit.
-    if not linear_cpu.available(dtype):
-        pytest.fail("the CPU linear kernel did not build (a C++ compiler is part of the test setup)")
+    assert kernels.load() == {}, "the CPU kernels did not build (a C++ compiler is part of the test setup)"
     torch.manual_seed(0)
     separate, merged = Block(), Block()
     merged.load_state_dict(separate.state_dict())
     for module in (separate, merged):
         module.to(dtype)
     merge_linears(merged)
-    pack_linears(separate, batch_hint=4)
-    pack_linears(merged, batch_hint=4)
+    panels = LinearPlan(panels=True, onednn=False, small_m=NEVER, source="test")
+    pack_linears(separate, panels)
+    pack_linears(merged, panels)
     assert merged.a.splits == (32, 16, 48)
     for rows in (1, 2, 7):
         x = torch.randn(rows, 24).to(dtype)
@@ -73,8 +74,8 @@ def test_engine_merges_and_matches_transformers(tmp_path):
     prompts = random_prompts(3, seed=5)
     llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=96, seed=0, skip_tokenizer_init=True)
     runner = llm.engine.runner
-    layers = runner.config.num_layers
-    assert runner.merged_linears == 2 * layers
+    layers = llm.engine.model_config.num_layers
+    assert f"{2 * layers} linear groups merged" in llm.engine.stats()["model_changes"]
     attn = runner.model.model.layers[0].self_attn
     assert attn.k_proj is None and attn.v_proj is None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -1,8 +1,12 @@
-"""The engine against transformers on the same weights (float32): greedy tokens exact, prefill logits close.
+"""The engine against transformers on the same weights: greedy tokens exact, prefill logits close.
 
-For every family the toolkit serves, on a batch of prompts of different lengths, with the engine
-in its normal configuration, with chunked prefill forced (a token budget smaller than the
-prompts), and with preemption forced (a KV cache too small for the batch).
+For every family the toolkit serves, in every way a step can run: eager and compiled (the whole
+model, one Inductor graph; on CPU with its C++ wrapper), each with the device's kernels (on CPU the C++
+linear and attention ops) and without them (torch's own ops: nn.Linear and the reference attention).
+Each on a batch of prompts of different lengths, in the normal configuration, and the kernels' modes
+also with chunked prefill forced (a token budget smaller than the prompts) and with preemption forced
+(a KV cache too small for the batch). float32 throughout; half types are held to transformers' own
+error in the same dtype.
 """
 
 from __future__ import annotations
@@ -18,11 +22,20 @@ NUM_PROMPTS = 8
 NEW_TOKENS = 32
 BYTES_PER_TOKEN = {"mistral": 1024, "tied_mqa": 256, "qwen3": 1024}  # 2 * layers * kv_heads * head_dim * 4
 
+BACKENDS = {
+    "eager-kernels": dict(enforce_eager=True),
+    "eager-torch": dict(enforce_eager=True, cpu_kernels=False),
+    "compiled-kernels": dict(),
+    "compiled-torch": dict(cpu_kernels=False),
+}
 MODES = {
     "default": {},
     "chunked_prefill": {"max_num_batched_tokens": 12},
     "preemption": {"kv_blocks": 8},
 }
+# Every backend in the default mode; chunked prefill and preemption with the kernels, eager and compiled.
+CASES = [(b, "default") for b in BACKENDS] + [(b, m) for b in ("eager-kernels", "compiled-kernels")
+                                              for m in ("chunked_prefill", "preemption")]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -33,41 +46,47 @@ def family_case(request, tmp_path_factory):
     return family, path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
 
 
-def make_llm(family: str, path, *, kv_blocks: int | None = None, dtype: str = "float32", **kwargs) -> LLM:
+def make_llm(family: str, path, backend: str = "eager-kernels", *, kv_blocks: int | None = None,
+             dtype: str = "float32", **kwargs) -> LLM:
     if kv_blocks is not None:
         kwargs["kv_cache_memory_bytes"] = kv_blocks * 16 * BYTES_PER_TOKEN.get(family, 512)
-    return LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=128, block_size=16, **kwargs)
+    return LLM(str(path), dtype=dtype, max_model_len=128, block_size=16, **BACKENDS[backend], **kwargs)
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_greedy_tokens_match_transformers(family_case, mode):
+@pytest.mark.parametrize("backend,mode", CASES)
+def test_greedy_tokens_match_transformers(family_case, backend, mode):
     family, path, prompts, expected = family_case
-    llm = make_llm(family, path, **MODES[mode])
-    preempted = count_preemptions(llm)
+    llm = make_llm(family, path, backend, **MODES[mode])
+    stats = llm.engine.stats()
+    kernels = backend.endswith("kernels")
+    assert (stats["attention_backend"] == "cpu") == kernels
+    assert (stats["backend"]["packed_linears"] > 0) == kernels
+    seen = count_preemptions(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"{family}/{mode}: prompt {i} (len {len(prompts[i])}) diverges at {first_diff(g, e)}"
+        assert g == e, f"{family}/{backend}/{mode}: prompt {i} (len {len(prompts[i])}) diverges at {first_diff(g, e)}"
+    if backend.startswith("compiled"):
+        # One graph serves prefill, mixed and decode steps; the torch backend's decode-only steps trace
+        # their attention into a second one.
+        assert 1 <= llm.engine.stats()["graphs"] <= (1 if kernels else 2)
     if mode == "preemption":
         assert llm.engine.runner.kv_spec.num_blocks == 8
-        assert preempted["count"] > 0, "the KV budget was meant to force preemption"
+        assert seen["count"] > 0, "the KV budget was meant to force preemption"
     if mode == "chunked_prefill":
-        assert max(preempted["tokens"]) <= 12
+        assert max(seen["tokens"]) <= 12
 
 
-def test_prefill_logits_match_transformers(family_case):
+@pytest.mark.parametrize("backend", ["eager-kernels", "eager-torch"])
+def test_prefill_logits_match_transformers(family_case, backend):
     from transformers import AutoModelForCausalLM
 
     family, path, prompts, _ = family_case
-    llm = make_llm(family, path)
-    runner = llm.engine.runner
+    runner = make_llm(family, path, backend).engine.runner
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for prompt in prompts[:3]:
-        blocks = list(range((len(prompt) + 15) // 16))
-        inputs = runner.prepare([ScheduledRequest("r", prompt, 0, blocks, True)])
-        inputs.logits_indices = torch.arange(len(prompt))
-        ours = runner.execute(inputs)
+        ours = prefill_logits(runner, prompt)
         with torch.no_grad():
             theirs = hf(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
@@ -76,25 +95,30 @@ def test_prefill_logits_match_transformers(family_case):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_prefill_logits_are_as_close_as_transformers_in_the_same_dtype(family_case, dtype):
     """In bf16 and fp16 there is no exact answer; the oracle is the float32 model. Our engine (on CPU
-    the panel linear kernel, half weights widened to float32) must land as near it as transformers in
-    the same dtype."""
+    the C++ linear, half weights widened to float32 or oneDNN's native bf16) must land as near it as
+    transformers in the same dtype."""
     from transformers import AutoModelForCausalLM
 
     family, path, prompts, _ = family_case
     runner = make_llm(family, path, dtype=dtype).engine.runner
-    assert runner.packed_linears > 0  # the kernel, not torch's emulated half matmuls
+    assert runner.backend.packed_linears > 0  # the kernels, not torch's emulated half matmuls
     exact = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     for prompt in prompts[:3]:
-        blocks = list(range((len(prompt) + 15) // 16))
-        inputs = runner.prepare([ScheduledRequest("r", prompt, 0, blocks, True)])
-        inputs.logits_indices = torch.arange(len(prompt))
-        ours = runner.execute(inputs).float()
+        ours = prefill_logits(runner, prompt).float()
         with torch.no_grad():
             truth = exact(torch.tensor([prompt])).logits[0]
             theirs = hf16(torch.tensor([prompt])).logits[0].float()
         ours_err, theirs_err = (ours - truth).abs().max().item(), (theirs - truth).abs().max().item()
         assert ours_err <= 2 * theirs_err + 1e-3, f"{family}: {dtype} error {ours_err:.4f}, transformers' {theirs_err:.4f}"
+
+
+def prefill_logits(runner, prompt: list[int]) -> torch.Tensor:
+    """The logits of every position of a prompt prefilled in one step."""
+    blocks = list(range((len(prompt) + 15) // 16))
+    inputs = runner.prepare([ScheduledRequest("r", prompt, 0, blocks, True)])
+    inputs.logits_indices = torch.arange(len(prompt))
+    return runner.execute(inputs)
 
 
 def count_preemptions(llm: LLM) -> dict:

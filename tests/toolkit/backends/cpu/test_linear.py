@@ -1,51 +1,77 @@
-"""The CPU panel linear (toolkit/linear_cpu.py) against float64 matmuls, eager and compiled."""
+"""The CPU linear (toolkit/backends/cpu/linear.py, csrc/linear.cpp) against float64 matmuls, eager and
+compiled, through both implementations behind the op, and the choice between them."""
+
+import json
 
 import pytest
 import torch
 
-from toolkit import linear_cpu
-from toolkit.linear_cpu import PanelLinear
+from toolkit.backends.cpu import kernels, linear
+from toolkit.backends.cpu.linear import NEVER, CPULinear, LinearPlan, pack_linears, plan_for
 
-# No skip when the kernel is unavailable: the project needs a C++ compiler (torch.compile on CPU does),
-# so a kernel that fails to build must fail these tests, as the decode kernel's do.
+PANELS = LinearPlan(panels=True, onednn=False, small_m=NEVER, source="test")
+BOTH = LinearPlan(panels=True, onednn=True, small_m=4, source="test")  # panels up to 4 rows, oneDNN above
 
-def _reference(x, linear):
-    out = x.double() @ linear.weight.double().T
-    return out if linear.bias is None else out + linear.bias.double()
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.load() == {}  # a machine that runs the suite has a C++ compiler: a failed build fails
+
+
+def _reference(x, lin):
+    out = x.double() @ lin.weight.double().T
+    return out if lin.bias is None else out + lin.bias.double()
+
+
+def _linear(n, k, bias, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return lin.to(dtype)
 
 
 # N not a multiple of 16 (a zero-padded last panel), K of 1 and odd, and every row-tile remainder
 # (M mod 6) including the interleaved partial sums of 1-3 rows, plus more rows than one pass (192).
 @pytest.mark.parametrize("n,k", [(1, 1), (16, 5), (33, 768), (250, 129)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_matches_float64(n, k, bias):
-    g = torch.Generator().manual_seed(n * 1000 + k)
-    linear = torch.nn.Linear(k, n, bias=bias)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(n, k, generator=g))
-        if bias:
-            linear.bias.copy_(torch.randn(n, generator=g))
-    packed = PanelLinear(linear)
+def test_float32_panels_match_float64(n, k, bias):
+    lin = _linear(n, k, bias, seed=n * 1000 + k)
+    packed = CPULinear(lin, PANELS)
+    g = torch.Generator().manual_seed(1)
     for m in (1, 2, 3, 4, 5, 6, 7, 13, 193, 400):
         x = torch.randn(m, k, generator=g)
         out = packed(x)
         assert out.dtype == torch.float32 and out.shape == (m, n)
-        torch.testing.assert_close(out.double(), _reference(x, linear), atol=1e-4 * k**0.5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), _reference(x, lin), atol=1e-4 * k**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_above_small_m_go_to_onednn_and_agree(dtype):
+    lin = _linear(70, 300, True, seed=3, dtype=dtype)
+    both, panels_only = CPULinear(lin, BOTH), CPULinear(lin, PANELS)
+    assert both.panels is not None and both.onednn_weight is not None and panels_only.onednn_weight is None
+    g = torch.Generator().manual_seed(4)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.25, rtol=2**-7)
+    for m in (1, 4, 5, 64):
+        x = torch.randn(m, 300, generator=g).to(dtype)
+        torch.testing.assert_close(both(x).double(), _reference(x, lin), **tol)
+        if m <= 4:  # the same panel kernel on both sides: the same bits
+            assert torch.equal(both(x), panels_only(x))
 
 
 def test_panels_of_2_mib_and_more_start_on_a_huge_page_and_compute_alike():
     # 4100 x 300 float32: 4.7 MiB of panels, the last one zero-padded. (Whether the OS backs them with
     # huge pages depends on its THP setting, so only the layout is checked, and the result.)
-    g = torch.Generator().manual_seed(7)
-    linear = torch.nn.Linear(300, 4100, bias=True)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(4100, 300, generator=g))
-    packed = PanelLinear(linear)
-    assert packed.panels.nbytes >= 2 * linear_cpu.HUGE_PAGE and packed.panels.is_contiguous()
-    assert packed.panels.data_ptr() % linear_cpu.HUGE_PAGE == 0
-    x = torch.randn(3, 300, generator=g)
-    torch.testing.assert_close(packed(x).double(), _reference(x, linear), atol=1e-4 * 300**0.5, rtol=1e-5)
-    small = PanelLinear(torch.nn.Linear(64, 64))  # below a page: a plain allocation
+    lin = _linear(4100, 300, True, seed=7)
+    packed = CPULinear(lin, PANELS)
+    assert packed.panels.nbytes >= 2 * linear.HUGE_PAGE and packed.panels.is_contiguous()
+    assert packed.panels.data_ptr() % linear.HUGE_PAGE == 0
+    x = torch.randn(3, 300)
+    torch.testing.assert_close(packed(x).double(), _reference(x, lin), atol=1e-4 * 300**0.5, rtol=1e-5)
+    small = CPULinear(torch.nn.Linear(64, 64), PANELS)  # below a page: a plain allocation
     assert small.panels.untyped_storage().nbytes() == small.panels.nbytes
 
 
@@ -54,14 +80,11 @@ HALVES = [torch.bfloat16, torch.float16]
 
 @pytest.mark.parametrize("dtype", HALVES)
 def test_half_weights_and_activations(dtype):
-    g = torch.Generator().manual_seed(1)
-    linear = torch.nn.Linear(300, 70, bias=True).to(dtype)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(70, 300, generator=g))
-        linear.bias.copy_(torch.randn(70, generator=g))
-    packed = PanelLinear(linear)
+    lin = _linear(70, 300, True, seed=1, dtype=dtype)
+    packed = CPULinear(lin, PANELS)
     assert packed.panels.dtype == dtype and packed.panels.shape == (5, 300, 16)
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    g = torch.Generator().manual_seed(2)
     for m in (1, 2, 7, 64):
         x = torch.randn(m, 300, generator=g).to(dtype)
         out = packed(x)
@@ -69,18 +92,8 @@ def test_half_weights_and_activations(dtype):
         # float32 accumulation of exact products, one rounding at the end: what torch computes in
         # float32 and rounds, up to the float32 summation order (1 ulp, or the float32 sum's own
         # error where a row cancels to near zero).
-        expected = _reference(x, linear).float().to(dtype)
+        expected = _reference(x, lin).float().to(dtype)
         torch.testing.assert_close(out.double(), expected.double(), atol=1e-4, rtol=ulp)
-        # A float32 x against half weights: products of the same values, float32 out.
-        out32 = packed(x.float())
-        assert out32.dtype == torch.float32
-        torch.testing.assert_close(out32.double(), _reference(x, linear), atol=1e-3, rtol=1e-5)
-    # x in the other half type: converted around the kernel, the output in x's dtype.
-    other = HALVES[1 - HALVES.index(dtype)]
-    x = torch.randn(3, 300, generator=g)
-    out = packed(x.to(other))
-    assert out.dtype == other
-    torch.testing.assert_close(out.double(), _reference(x.to(other), linear), atol=0.5, rtol=2**-6)
 
 
 # Exact float32 sums a + b, which the kernel rounds once to the half type: halfway cases go to even
@@ -99,10 +112,10 @@ def test_half_output_rounds_like_torch(dtype):
     pairs = torch.tensor(ROUNDING[dtype], dtype=torch.float64)
     pairs = torch.cat([pairs, torch.randn(64 - len(pairs), 2, generator=g, dtype=torch.float64)])
     weight = pairs.to(dtype)  # [64, 2]: column n computes a_n * 1 + b_n * 1
-    linear = torch.nn.Linear(2, 64, bias=False).to(dtype)
+    lin = torch.nn.Linear(2, 64, bias=False).to(dtype)
     with torch.no_grad():
-        linear.weight.copy_(weight)
-    out = PanelLinear(linear)(torch.ones(1, 2, dtype=dtype))
+        lin.weight.copy_(weight)
+    out = CPULinear(lin, PANELS)(torch.ones(1, 2, dtype=dtype))
     assert out.dtype == dtype
     expected = (weight[:, 0].float() + weight[:, 1].float()).to(dtype)
     assert torch.equal(out[0], expected)
@@ -115,45 +128,94 @@ def test_half_output_rounds_like_torch(dtype):
 
 @pytest.mark.parametrize("dtype", HALVES)
 def test_half_nan_and_inf_pass_through(dtype):
-    linear = torch.nn.Linear(1, 4, bias=False).to(dtype)
+    lin = torch.nn.Linear(1, 4, bias=False).to(dtype)
     with torch.no_grad():
-        linear.weight.fill_(1.0)
-    packed = PanelLinear(linear)
+        lin.weight.fill_(1.0)
+    packed = CPULinear(lin, PANELS)
     for special in (float("nan"), float("inf"), -float("inf")):
         out = packed(torch.tensor([[special]], dtype=dtype))
         torch.testing.assert_close(out.float(), torch.full((1, 4), special), equal_nan=True)
 
 
-def test_strided_input_and_compiled_graph():
-    linear = torch.nn.Linear(64, 48, bias=False)
-    packed = PanelLinear(linear)
-    x = torch.randn(10, 128)[:, ::2]  # inner stride 2: copied to contiguous rows
-    torch.testing.assert_close(packed(x).double(), _reference(x, linear), atol=1e-4, rtol=1e-5)
-    rows = torch.randn(10, 128)[:, :64]  # row stride 128: read in place
-    torch.testing.assert_close(packed(rows).double(), _reference(rows, linear), atol=1e-4, rtol=1e-5)
+def test_row_strided_input_and_compiled_graph():
+    lin = _linear(48, 64, False, seed=5)
+    packed = CPULinear(lin, PANELS)
+    rows = torch.randn(10, 128)[:, :64]  # row stride 128, as a split of a merged projection: read in place
+    torch.testing.assert_close(packed(rows).double(), _reference(rows, lin), atol=1e-4, rtol=1e-5)
     compiled = torch.compile(lambda x: packed(x) * 2.0, fullgraph=True, dynamic=True)
     for m in (3, 9):
         x = torch.randn(m, 64)
         torch.testing.assert_close(compiled(x), packed(x) * 2.0)
 
 
-def test_bad_shapes_raise():
-    packed = PanelLinear(torch.nn.Linear(32, 20))
-    with pytest.raises(ValueError, match="does not match panels"):
+def test_bad_inputs_raise():
+    packed = CPULinear(torch.nn.Linear(32, 20), PANELS)
+    with pytest.raises(RuntimeError, match="do not fit panels"):
         packed(torch.randn(4, 31))
-    with pytest.raises(ValueError, match="out_features"):
-        torch.ops.toolkit.linear_cpu.default(torch.randn(4, 32), packed.panels, 33, None)
-    with pytest.raises(ValueError, match="2-d float32, bfloat16 or float16"):
-        linear_cpu.pack(torch.randn(4, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="unit stride"):
+        packed(torch.randn(32, 4).t())
+    with pytest.raises(RuntimeError, match="weights' dtype"):
+        packed(torch.randn(4, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.toolkit.linear_cpu(torch.randn(4, 32), packed.panels, None, None, 33, NEVER)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        linear.pack(torch.randn(4, 4, dtype=torch.float64))
 
 
-def test_missing_compiler_warns_and_reports_unavailable(monkeypatch):
-    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
-    linear_cpu._library.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match="CPU linear kernel unavailable"):
-            assert not linear_cpu.available(torch.float32)
-    finally:
-        monkeypatch.undo()
-        linear_cpu._library.cache_clear()
-    assert linear_cpu.available(torch.float32)
+def test_pack_linears_swaps_every_linear_and_copies_a_tied_head():
+    embedding = torch.nn.Embedding(40, 16)
+    head = torch.nn.Linear(16, 40, bias=False)
+    head.weight = embedding.weight  # tied
+    model = torch.nn.ModuleDict({"embed": embedding, "block": torch.nn.Sequential(torch.nn.Linear(16, 16)),
+                                 "head": head})
+    x = torch.randn(3, 16)
+    want = head(x)
+    assert pack_linears(model, PANELS) == 2
+    assert isinstance(model["head"], CPULinear) and isinstance(model["block"][0], CPULinear)
+    assert isinstance(model["embed"], torch.nn.Embedding)  # the embedding keeps the original weight
+    torch.testing.assert_close(model["head"](x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_plans_by_rule_and_by_config(monkeypatch):
+    shapes = [(64, 32)]
+    assert plan_for("torch", torch.float32, shapes) is None  # plain nn.Linear
+    assert plan_for("panel", torch.bfloat16, shapes) == LinearPlan(True, False, NEVER, "config")
+    monkeypatch.setattr(linear, "onednn_native", lambda dtype: False)
+    rule = plan_for("auto", torch.bfloat16, shapes)  # emulated oneDNN is never measured against
+    assert (rule.panels, rule.onednn, rule.small_m) == (True, False, NEVER) and rule.source.startswith("rule")
+    with pytest.raises(ValueError, match="no native"):
+        plan_for("onednn", torch.bfloat16, shapes)
+
+
+def test_the_measured_choice_is_cached_per_machine_and_shapes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(linear, "onednn_native", lambda dtype: True)
+    measured = []
+    monkeypatch.setattr(linear, "_measure_small_m", lambda dtype, shapes: measured.append(shapes) or 3)
+    first = plan_for("auto", torch.float32, [(64, 32)])
+    assert first == LinearPlan(True, True, 3, "measured")
+    again = plan_for("auto", torch.float32, [(64, 32)])
+    assert again == LinearPlan(True, True, 3, "cached") and len(measured) == 1
+    plan_for("auto", torch.float32, [(128, 32)])  # other shapes: measured again
+    assert len(measured) == 2
+    (tmp_path / "kernels" / "linear-choices.json").write_text("{ damaged")
+    assert plan_for("auto", torch.float32, [(64, 32)]).source == "measured"  # a damaged file is measured anew
+    assert len(json.loads((tmp_path / "kernels" / "linear-choices.json").read_text())) == 1
+
+
+def test_measuring_picks_the_faster_implementation_per_row_count(monkeypatch):
+    """_measure_small_m on timings it is handed: the panel kernel up to the last row count before
+    oneDNN's first clear win; none when oneDNN never wins; 0 when it wins from one row."""
+    def with_times(panel, onednn):
+        def fake_best_of(run, use_panels, reps=5):
+            m = linear.CANDIDATE_M[calls[0] // 2]
+            calls[0] += 1
+            return panel(m) if use_panels else onednn(m)
+        calls = [0]
+        monkeypatch.setattr(linear, "_best_of", fake_best_of)
+        return linear._measure_small_m(torch.float32, [(32, 16)])
+
+    assert with_times(lambda m: 1.0 + m, lambda m: 2.0 + 0.2 * m) == 1  # oneDNN wins from m = 2 (by > 5%)
+    assert with_times(lambda m: 1.0, lambda m: 2.0) == NEVER
+    assert with_times(lambda m: 2.0, lambda m: 1.0) == 0
+    assert with_times(lambda m: 1.0, lambda m: 0.97) == NEVER  # within the margin: one layout is kept

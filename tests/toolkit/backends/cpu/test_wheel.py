@@ -1,0 +1,64 @@
+"""The wheel as users install it: built from this tree, installed into a fresh virtual environment,
+imported from there (not from the source tree), and its CPU kernels built from the installed sources."""
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[4]
+
+pytestmark = pytest.mark.slow
+
+CHECK = textwrap.dedent("""
+    import json, sys, torch
+    import toolkit
+    from toolkit.backends.cpu import build, kernels
+    assert "site-packages" in toolkit.__file__, toolkit.__file__
+    unavailable = kernels.load()
+    x, w = torch.randn(3, 40), torch.randn(24, 40)
+    panels = torch.empty(2, 40, 16)
+    torch.ops.toolkit.pack_panels(w, panels)
+    y = torch.ops.toolkit.linear_cpu(x, panels, None, None, 24, 1 << 62)
+    print(json.dumps({"toolkit": toolkit.__file__, "unavailable": unavailable,
+                      "sources": [str(p) for p in kernels.SOURCES.values()],
+                      "error": (y - x @ w.T).abs().max().item()}))
+""")
+
+
+def test_installed_wheel_ships_and_builds_its_kernels(tmp_path):
+    # A copy of the tree without build outputs: setuptools would reuse a stale build/ in place.
+    skip = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis")
+    source = Path(shutil.copytree(REPO, tmp_path / "src", ignore=lambda folder, names: skip(folder, names) | (
+        {n for n in names if n.startswith("out")} if Path(folder) == REPO else set())))
+    dist = tmp_path / "dist"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(dist), str(source)], capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = dist.glob("toolkit-*.whl")
+    env_dir = tmp_path / "env"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    # torch and the other dependencies come from the test's environment, after the fresh one's own
+    # site-packages (a path listed in a .pth file: that environment's editable install is not seen).
+    fresh_site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                     capture_output=True, text=True, check=True).stdout.strip())
+    (fresh_site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
+                                "--target", str(fresh_site), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    run = subprocess.run([str(python), "-c", CHECK], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "TOOLKIT_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["toolkit"].startswith(str(fresh_site)), report
+    assert report["unavailable"] == {}, report["unavailable"]
+    assert all(source.startswith(str(fresh_site)) for source in report["sources"])
+    assert report["error"] < 1e-4

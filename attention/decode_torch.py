@@ -2,8 +2,8 @@
 device backend's own kernel, such as the CPU one, replaces it where registered).
 
 The reference (`reference.py`) gathers each request's blocks into a padded copy and calls SDPA:
-right for any batch, but every layer pays a full copy of the batch's KV (the step profile of a
-64-request decode showed the gathers and SDPA at about 60% of the step). Here every op is a plain
+right for any batch, but every layer pays a full copy of the batch's KV (most of a 64-request
+decode step, in the profile in docs/benchmarks.md). Here every op is a plain
 tensor op over the block table, so Inductor fuses the gather into the two reductions: the keys and
 values are read in place from the paged cache, once, and nothing of context size is materialized
 but the scores. The same code runs eagerly (it is tested against the reference that way), but
@@ -36,8 +36,7 @@ def decode_attention_torch(
     scores = scores.masked_fill(~valid[..., None, None], float("-inf"))
     weights = (scores - scores.amax(dim=(1, 2), keepdim=True)).exp()
     # The value sum in two levels, within each block and then over blocks: the inner loop then runs
-    # over one block's rows, so the block-table lookup is paid once per block, not once per position
-    # (1.6x faster than one sum over all positions, measured on a 64-request decode).
+    # over one block's rows, so the block-table lookup is paid once per block, not once per position.
     per_block = (weights[..., None] * v[:, :, :, :, None, :]).sum(2)  # [B, W, Hkv, G, D]
     out = per_block.sum(1) / weights.sum(dim=(1, 2))[..., None]
     return out.reshape(-1, num_heads, head_dim).to(q.dtype)

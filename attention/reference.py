@@ -1,13 +1,14 @@
 """Torch reference for write_kv and paged_attention.
 
-This is the oracle every other backend is tested against, and also the production path on CPU,
-so it is written to be fast as well as plain: all decodes of a batch go through one gathered,
-masked scaled_dot_product_attention call, and each prefill chunk gets one call of its own.
+This is the oracle every other backend is tested against, and the path of any device without
+kernels of its own (or with them switched off), so it is written to be fast as well as plain: all
+decodes of a batch go through one gathered, masked scaled_dot_product_attention call, and each
+prefill chunk gets one call of its own.
 
 GQA: query head h uses kv head h // G (G = Hq // Hkv). Decodes fold the G query heads of a kv head
 into rows, q [B, Hkv, G, D] against k, v [B, Hkv, S, D], with no copy of K/V per query head (on CPU
-~7x faster than enable_gqa for bf16 decodes). Prefill chunks use enable_gqa with 4-d inputs, which
-takes SDPA's flash kernel on CPU.
+several times faster than enable_gqa for bf16 decodes). Prefill chunks use enable_gqa with 4-d
+inputs, which takes SDPA's flash kernel on CPU.
 """
 
 import torch
@@ -77,12 +78,12 @@ def _prefill_chunk(q, kv_cache, start, end, seq_len, block_table, scale, out) ->
     device = q.device
     q_len = end - start
     k, v = _gather_context(kv_cache, block_table[None], seq_len)  # [1, Hkv, S, D]
-    # 4-d inputs: SDPA's CPU flash kernel (3-d ones take the math path, 2-6x slower here), with the
+    # 4-d inputs: SDPA's CPU flash kernel (3-d ones take the slower math path), with the
     # G query heads of a kv head sharing its K/V through enable_gqa (no copy per query head).
     qh = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
     if q_len == seq_len:
-        # A first chunk: plain causal attention (the flash kernel skips the masked half: ~2x faster
-        # than the same mask given explicitly, for a 2048-token prompt).
+        # A first chunk: plain causal attention (the flash kernel skips the masked half, which it
+        # cannot do for the same mask given explicitly).
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # Query j sits at absolute position seq_len - q_len + j (earlier chunks are already cached),

@@ -1,8 +1,8 @@
 """write_kv written for Inductor: compiled torch-backend steps store the new keys and values with
 one in-place `index_copy_` inside the graph instead of calling the opaque op.
 
-The opaque op costs more than the copy it does: at batch 1 its Python dispatch and padding mask took
-~0.1 ms per layer for a few hundred bytes. Two details keep Inductor writing in place instead of
+The opaque op costs more than the copy it does: at batch 1 its Python dispatch and padding mask
+take longer than writing a few hundred bytes. Two details keep Inductor writing in place instead of
 copying the cache: the copy goes through a view of the whole cache tensor (through `kv_cache[0]`
 alone, Inductor copied the layer's whole cache on every call), and no row is dropped (a
 data-dependent row count would break the graph). Padding rows (slot -1, after the real tokens)

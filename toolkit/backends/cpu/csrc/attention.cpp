@@ -217,7 +217,7 @@ template <typename T, typename Q>
 void run(const Step& s, const std::vector<int32_t>& request, const std::vector<int32_t>& length) {
     const int group = int(s.num_heads / s.num_kv_heads);
     const int64_t row_stride = s.num_kv_heads * s.head_dim;
-    // A task per token reads each block as one contiguous run (per-kv-head tasks were ~2x slower on a
+    // A task per token reads each block as one contiguous run (per-kv-head tasks were slower on a
     // 64-row decode); with few tokens (a batch-1 decode) the kv heads are split so every thread works.
     const int64_t splits = s.tokens < 4 * omp_get_max_threads() ? s.num_kv_heads : 1;
     const int64_t heads = s.num_heads / splits, width = heads * s.head_dim;

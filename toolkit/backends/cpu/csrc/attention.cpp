@@ -6,8 +6,9 @@
 // Each query token is one task (or, with too few tokens to keep every thread busy, one task per
 // (token, kv head)) that walks only its own request's blocks, up to its own causal length, with an
 // online softmax (flash-decoding's recurrence), so K/V are read once, in place. Scores are computed
-// 8 cache rows at a time with one shuffle tree for their 8 sums: one horizontal sum per dot product
-// made the loop latency-bound. The next block is prefetched while the current one is computed.
+// 8 cache rows at a time with one shuffle tree for their 8 sums (one horizontal sum per dot product
+// made the loop latency-bound), for as many query heads of a kv head as the registers hold, which
+// then share every key and value load. The next block is prefetched while the current one is computed.
 //
 // Layout (attention/kv_cache.py): keys and values are [num_blocks, block_size, num_kv_heads, head_dim]
 // each; q and out are [tokens, num_heads, head_dim]; query head h uses kv head h / G, so a kv head's G
@@ -91,15 +92,21 @@ inline vec8 horizontal_sums(const vec8* x) {
            __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// scores[0..7] = scale * (q . key row j) for 8 consecutive cache rows starting at key.
-template <typename T>
-inline vec8 scores8(const float* q, const T* key, int64_t row_stride, int head_dim, float scale) {
-    vec8 acc[8] = {};
+// scores[h][0..7] = scale * (q_h . key row j) for H query heads that share the 8 key rows: each key
+// vector is loaded (and widened) once for all H heads.
+template <int H, typename T>
+inline void scores8_heads(const float* q, int64_t q_stride, const T* key, int64_t row_stride, int head_dim, float scale,
+                          float* p, int64_t p_stride) {
+    vec8 acc[H][8] = {};
     for (int d = 0; d < head_dim; d += 8) {
-        const vec8 qd = load8(q + d);
-        for (int j = 0; j < 8; ++j) acc[j] += qd * load8(key + j * row_stride + d);
+        vec8 kd[8];
+        for (int j = 0; j < 8; ++j) kd[j] = load8(key + j * row_stride + d);
+        for (int h = 0; h < H; ++h) {
+            const vec8 qd = load8(q + h * q_stride + d);
+            for (int j = 0; j < 8; ++j) acc[h][j] += qd * kd[j];
+        }
     }
-    return horizontal_sums(acc) * scale;
+    for (int h = 0; h < H; ++h) store8(p + h * p_stride, horizontal_sums(acc[h]) * scale);
 }
 
 // Share `share` of `shares` of a block's K and V cache lines that a task reads: `width` elements at
@@ -116,6 +123,53 @@ inline void prefetch_share(const T* k, const T* v, int share, int shares, int64_
     }
 }
 
+// acc_h[0..W) = acc_h * correction_h + sum over the block's n rows of p_h[i] * value row i, for H query
+// heads sharing the value rows: each value vector is loaded (and widened) once for all H, and the
+// W-float tiles of the outputs stay in registers (W a constant, so the loops unroll, nothing spills).
+template <int H, int W, typename T>
+inline void value_tile_heads(float* acc, int64_t acc_stride, const T* value, const float* p, int64_t p_stride, int n,
+                             int64_t row_stride, const float* correction) {
+    vec8 tile[H][W / 8];
+    for (int h = 0; h < H; ++h)
+        for (int c = 0; c < W / 8; ++c) tile[h][c] = load8(acc + h * acc_stride + 8 * c) * correction[h];
+    for (int i = 0; i < n; ++i) {
+        float w[H];
+        for (int h = 0; h < H; ++h) w[h] = p[h * p_stride + i];
+        for (int c = 0; c < W / 8; ++c) {
+            const vec8 x = load8(value + i * row_stride + 8 * c);
+            for (int h = 0; h < H; ++h) tile[h][c] += w[h] * x;
+        }
+    }
+    for (int h = 0; h < H; ++h)
+        for (int c = 0; c < W / 8; ++c) store8(acc + h * acc_stride + 8 * c, tile[h][c]);
+}
+
+// H query heads (adjacent, sharing one kv head) against the block's n rows: their scores into p
+// (rows block_size apart), then the value rows weighted into acc (rows head_dim apart).
+template <int H, typename T>
+inline void head_scores(const float* q, const T* key, int n, int head_dim, int64_t row_stride, int block_size,
+                        float scale, float* p) {
+    for (int i = 0; i < n; i += 8)
+        scores8_heads<H>(q, head_dim, key + i * row_stride, row_stride, head_dim, scale, p + i, block_size);
+}
+
+template <int H, typename T>
+inline void head_values(float* acc, const T* value, const float* p, int n, int head_dim, int64_t row_stride,
+                        int block_size, const float* correction) {
+    int d0 = 0;
+    for (; d0 + 64 <= head_dim; d0 += 64)
+        value_tile_heads<H, 64>(acc + d0, head_dim, value + d0, p, block_size, n, row_stride, correction);
+    for (; d0 < head_dim; d0 += 8)
+        value_tile_heads<H, 8>(acc + d0, head_dim, value + d0, p, block_size, n, row_stride, correction);
+}
+
+// Two query heads of a kv head at a time where the registers hold their accumulators (AVX-512's 32).
+#ifdef __AVX512F__
+constexpr int PAIR = 2;
+#else
+constexpr int PAIR = 1;
+#endif
+
 // One task: num_heads query heads of one token (all of them, or the group of one kv head), over the
 // first `len` positions of its request's blocks. q and out are float32 [num_heads, head_dim]; k and v
 // point at the task's first kv head; a cache row (one position, all kv heads) is row_stride elements.
@@ -129,21 +183,25 @@ void attend(const float* q, const T* k, const T* v, const int32_t* table, int le
     for (int start = 0; start < len; start += block_size) {
         const int n = std::min(block_size, len - start);
         const int64_t base = int64_t(table[start / block_size]) * block_size * row_stride;
-        // Scores in groups of 8 rows. Rows past n in the last block exist (whole blocks are
-        // allocated); their scores are computed and never read.
-        for (int h = 0; h < num_heads; ++h) {
-            const T* key = k + base + (h / group) * head_dim;
-            for (int i = 0; i < n; i += 8)
-                store8(p + h * block_size + i, scores8(q + h * head_dim, key + i * row_stride, row_stride, head_dim, scale));
+        // Scores in groups of 8 rows. Rows past n in the last block exist (whole blocks are allocated);
+        // their scores are computed and never read.
+        for (int g = 0; g < num_heads / group; ++g) {
+            const T* key = k + base + g * head_dim;
+            int h = g * group;
+            for (; h + PAIR <= (g + 1) * group; h += PAIR)
+                head_scores<PAIR>(q + h * head_dim, key, n, head_dim, row_stride, block_size, scale, p + h * block_size);
+            for (; h < (g + 1) * group; ++h)
+                head_scores<1>(q + h * head_dim, key, n, head_dim, row_stride, block_size, scale, p + h * block_size);
         }
         const bool has_next = start + block_size < len;
         const int64_t next = has_next ? int64_t(table[start / block_size + 1]) * block_size * row_stride : 0;
+        float correction[num_heads];
         for (int h = 0; h < num_heads; ++h) {
             if (has_next) prefetch_share(k + next, v + next, h, num_heads, (num_heads / group) * head_dim, block_size, row_stride);
             float* ph = p + h * block_size;
             float block_max = running_max[h];
             for (int i = 0; i < n; ++i) block_max = std::max(block_max, ph[i]);
-            const float correction = std::exp(running_max[h] - block_max);
+            correction[h] = std::exp(running_max[h] - block_max);
             running_max[h] = block_max;
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -151,19 +209,17 @@ void attend(const float* q, const T* k, const T* v, const int32_t* table, int le
                 ph[i] = std::exp(ph[i] - block_max);
                 sum += ph[i];
             }
-            denom[h] = denom[h] * correction + sum;
-            float* ah = acc + h * head_dim;
-            for (int d0 = 0; d0 < head_dim; d0 += 64) {  // a 64-float tile of the output in registers
-                const int width = std::min(64, head_dim - d0);
-                vec8 tile[8];
-                for (int c = 0; c < width / 8; ++c) tile[c] = load8(ah + d0 + 8 * c) * correction;
-                const T* value = v + base + (h / group) * head_dim + d0;
-                for (int i = 0; i < n; ++i) {
-                    const float w = ph[i];
-                    for (int c = 0; c < width / 8; ++c) tile[c] += w * load8(value + i * row_stride + 8 * c);
-                }
-                for (int c = 0; c < width / 8; ++c) store8(ah + d0 + 8 * c, tile[c]);
-            }
+            denom[h] = denom[h] * correction[h] + sum;
+        }
+        for (int g = 0; g < num_heads / group; ++g) {
+            const T* value = v + base + g * head_dim;
+            int h = g * group;
+            for (; h + PAIR <= (g + 1) * group; h += PAIR)
+                head_values<PAIR>(acc + h * head_dim, value, p + h * block_size, n, head_dim, row_stride, block_size,
+                                  correction + h);
+            for (; h < (g + 1) * group; ++h)
+                head_values<1>(acc + h * head_dim, value, p + h * block_size, n, head_dim, row_stride, block_size,
+                               correction + h);
         }
     }
     for (int h = 0; h < num_heads; ++h) {
@@ -213,7 +269,8 @@ inline int64_t plan_tokens(const Step& s, std::vector<int32_t>& request, std::ve
     return bad;
 }
 
-template <typename T, typename Q>
+// q, the cache and out are all of one element type T.
+template <typename T>
 void run(const Step& s, const std::vector<int32_t>& request, const std::vector<int32_t>& length) {
     const int group = int(s.num_heads / s.num_kv_heads);
     const int64_t row_stride = s.num_kv_heads * s.head_dim;
@@ -221,14 +278,14 @@ void run(const Step& s, const std::vector<int32_t>& request, const std::vector<i
     // 64-row decode); with few tokens (a batch-1 decode) the kv heads are split so every thread works.
     const int64_t splits = s.tokens < 4 * omp_get_max_threads() ? s.num_kv_heads : 1;
     const int64_t heads = s.num_heads / splits, width = heads * s.head_dim;
-    const Q* q = static_cast<const Q*>(s.q);
-    Q* out = static_cast<Q*>(s.out);
+    const T* q = static_cast<const T*>(s.q);
+    T* out = static_cast<T*>(s.out);
     // Tokens differ in length, so tasks are handed out dynamically rather than split evenly.
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t t = 0; t < s.tokens; ++t) {
         for (int64_t split = 0; split < splits; ++split) {
             const int64_t h0 = split * heads;
-            Q* o = out + (t * s.num_heads + h0) * s.head_dim;
+            T* o = out + (t * s.num_heads + h0) * s.head_dim;
             if (request[t] < 0) {
                 for (int64_t i = 0; i < width; ++i) put(o + i, 0.f);
                 continue;
@@ -286,9 +343,9 @@ Tensor paged_attention_cpu(Tensor q, Tensor kv_cache, Tensor query_start_loc, Te
     Tensor out = empty_as(q, {s.tokens, s.num_heads, s.head_dim});
     s.out = out.data_ptr();
     switch (kind) {
-        case F32: run<float, float>(s, request, length); break;
-        case BF16: run<uint16_t, uint16_t>(s, request, length); break;
-        case F16: run<f16, f16>(s, request, length); break;
+        case F32: run<float>(s, request, length); break;
+        case BF16: run<uint16_t>(s, request, length); break;
+        case F16: run<f16>(s, request, length); break;
     }
     return out;
 }

@@ -56,9 +56,11 @@ def test_edge_batches_and_padding_rows(specs):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
-def test_half_caches(dtype, tol):
-    batch = make_batch([(40, 1), (0, 23), (17, 9)], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64,
-                       dtype=dtype)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_CONFIGS + [(12, 4), (12, 2)])  # query heads per kv head: 1-8
+@pytest.mark.parametrize("head_dim", [64, 72])  # bf16 dot products over 32 dims at a time; 72: the widened path
+def test_half_caches(dtype, tol, num_heads, num_kv_heads, head_dim):
+    batch = make_batch([(40, 1), (0, 23), (17, 9)], block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, dtype=dtype)
     out = attend(batch)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), dense_reference(batch), atol=tol, rtol=tol)

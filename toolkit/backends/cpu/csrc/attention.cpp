@@ -109,6 +109,33 @@ inline void scores8_heads(const float* q, int64_t q_stride, const T* key, int64_
     for (int h = 0; h < H; ++h) store8(p + h * p_stride, horizontal_sums(acc[h]) * scale);
 }
 
+#ifdef __AVX512BF16__
+// scores8_heads for bf16 q and keys with AVX-512 BF16's dot-product instruction: 32 products of a key
+// row and a query head per instruction, over pairs of adjacent dims, accumulated in float32 (each
+// bf16 product is exact in float32, so this is the widened computation in another summation order).
+template <int H>
+inline void scores8_heads_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* key, int64_t row_stride,
+                               int head_dim, float scale, float* p, int64_t p_stride) {
+    __m512 acc[H][8];
+    for (int h = 0; h < H; ++h)
+        for (int j = 0; j < 8; ++j) acc[h][j] = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; d += 32) {
+        __m512bh qd[H];
+        for (int h = 0; h < H; ++h) qd[h] = (__m512bh)_mm512_loadu_si512(q + h * q_stride + d);
+        for (int j = 0; j < 8; ++j) {
+            const __m512bh kd = (__m512bh)_mm512_loadu_si512(key + j * row_stride + d);
+            for (int h = 0; h < H; ++h) acc[h][j] = _mm512_dpbf16_ps(acc[h][j], kd, qd[h]);
+        }
+    }
+    for (int h = 0; h < H; ++h) {
+        vec8 halves[8];
+        for (int j = 0; j < 8; ++j)
+            halves[j] = vec8(_mm512_castps512_ps256(acc[h][j]) + _mm512_extractf32x8_ps(acc[h][j], 1));
+        store8(p + h * p_stride, horizontal_sums(halves) * scale);
+    }
+}
+#endif
+
 // Share `share` of `shares` of a block's K and V cache lines that a task reads: `width` elements at
 // the start of each of the block's rows. Issued all at a block's start, prefetches gave nothing (the
 // core stalls once its miss buffers are full); spread over the block's work they pay.
@@ -147,8 +174,18 @@ inline void value_tile_heads(float* acc, int64_t acc_stride, const T* value, con
 // H query heads (adjacent, sharing one kv head) against the block's n rows: their scores into p
 // (rows block_size apart), then the value rows weighted into acc (rows head_dim apart).
 template <int H, typename T>
-inline void head_scores(const float* q, const T* key, int n, int head_dim, int64_t row_stride, int block_size,
-                        float scale, float* p) {
+inline void head_scores(const float* q, const T* q_raw, const T* key, int n, int head_dim, int64_t row_stride,
+                        int block_size, float scale, float* p) {
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same<T, uint16_t>::value) {
+        if (head_dim % 32 == 0) {
+            for (int i = 0; i < n; i += 8)
+                scores8_heads_bf16<H>(q_raw, head_dim, key + i * row_stride, row_stride, head_dim, scale, p + i,
+                                      block_size);
+            return;
+        }
+    }
+#endif
     for (int i = 0; i < n; i += 8)
         scores8_heads<H>(q, head_dim, key + i * row_stride, row_stride, head_dim, scale, p + i, block_size);
 }
@@ -163,23 +200,26 @@ inline void head_values(float* acc, const T* value, const float* p, int n, int h
         value_tile_heads<H, 8>(acc + d0, head_dim, value + d0, p, block_size, n, row_stride, correction);
 }
 
-// Two query heads of a kv head at a time where the registers hold their accumulators (AVX-512's 32).
+// Up to three query heads of a kv head at a time where the registers hold their accumulators
+// (AVX-512's 32); one at a time with AVX2's 16.
 #ifdef __AVX512F__
-constexpr int PAIR = 2;
+constexpr int HEADS = 3;
 #else
-constexpr int PAIR = 1;
+constexpr int HEADS = 1;
 #endif
 
 // One task: num_heads query heads of one token (all of them, or the group of one kv head), over the
 // first `len` positions of its request's blocks. q and out are float32 [num_heads, head_dim]; k and v
 // point at the task's first kv head; a cache row (one position, all kv heads) is row_stride elements.
 template <typename T>
-void attend(const float* q, const T* k, const T* v, const int32_t* table, int len, float* out, int num_heads,
-            int group, int head_dim, int block_size, int64_t row_stride, float scale) {
+void attend(const float* q, const T* q_raw, const T* k, const T* v, const int32_t* table, int len, float* out,
+            int num_heads, int group, int head_dim, int block_size, int64_t row_stride, float scale) {
     float running_max[num_heads], denom[num_heads], acc[num_heads * head_dim], p[num_heads * block_size];
     for (int h = 0; h < num_heads; ++h) { running_max[h] = -FLT_MAX; denom[h] = 0.f; }
     std::fill(acc, acc + num_heads * head_dim, 0.f);
 
+    // Heads of a kv head in threes where they divide into them (GQA 3:1), else in pairs.
+    const bool triples = HEADS >= 3 && group % 3 == 0;
     for (int start = 0; start < len; start += block_size) {
         const int n = std::min(block_size, len - start);
         const int64_t base = int64_t(table[start / block_size]) * block_size * row_stride;
@@ -188,10 +228,15 @@ void attend(const float* q, const T* k, const T* v, const int32_t* table, int le
         for (int g = 0; g < num_heads / group; ++g) {
             const T* key = k + base + g * head_dim;
             int h = g * group;
-            for (; h + PAIR <= (g + 1) * group; h += PAIR)
-                head_scores<PAIR>(q + h * head_dim, key, n, head_dim, row_stride, block_size, scale, p + h * block_size);
+            for (; h + 3 <= (g + 1) * group && triples; h += 3)
+                head_scores<3>(q + h * head_dim, q_raw + h * head_dim, key, n, head_dim, row_stride, block_size, scale,
+                               p + h * block_size);
+            for (; h + 2 <= (g + 1) * group && HEADS >= 2; h += 2)
+                head_scores<2>(q + h * head_dim, q_raw + h * head_dim, key, n, head_dim, row_stride, block_size, scale,
+                               p + h * block_size);
             for (; h < (g + 1) * group; ++h)
-                head_scores<1>(q + h * head_dim, key, n, head_dim, row_stride, block_size, scale, p + h * block_size);
+                head_scores<1>(q + h * head_dim, q_raw + h * head_dim, key, n, head_dim, row_stride, block_size, scale,
+                               p + h * block_size);
         }
         const bool has_next = start + block_size < len;
         const int64_t next = has_next ? int64_t(table[start / block_size + 1]) * block_size * row_stride : 0;
@@ -214,9 +259,12 @@ void attend(const float* q, const T* k, const T* v, const int32_t* table, int le
         for (int g = 0; g < num_heads / group; ++g) {
             const T* value = v + base + g * head_dim;
             int h = g * group;
-            for (; h + PAIR <= (g + 1) * group; h += PAIR)
-                head_values<PAIR>(acc + h * head_dim, value, p + h * block_size, n, head_dim, row_stride, block_size,
-                                  correction + h);
+            for (; h + 3 <= (g + 1) * group && triples; h += 3)
+                head_values<3>(acc + h * head_dim, value, p + h * block_size, n, head_dim, row_stride, block_size,
+                               correction + h);
+            for (; h + 2 <= (g + 1) * group && HEADS >= 2; h += 2)
+                head_values<2>(acc + h * head_dim, value, p + h * block_size, n, head_dim, row_stride, block_size,
+                               correction + h);
             for (; h < (g + 1) * group; ++h)
                 head_values<1>(acc + h * head_dim, value, p + h * block_size, n, head_dim, row_stride, block_size,
                                correction + h);
@@ -291,11 +339,14 @@ void run(const Step& s, const std::vector<int32_t>& request, const std::vector<i
                 continue;
             }
             float q32[width], o32[width];
+            T q_raw[width];  // the task's heads of q, contiguous, as stored (bf16 dot products read them)
             for (int64_t h = 0; h < heads; ++h)
-                for (int64_t d = 0; d < s.head_dim; ++d)
-                    q32[h * s.head_dim + d] = to_float(q[t * s.q_token_stride + (h0 + h) * s.q_head_stride + d]);
+                for (int64_t d = 0; d < s.head_dim; ++d) {
+                    q_raw[h * s.head_dim + d] = q[t * s.q_token_stride + (h0 + h) * s.q_head_stride + d];
+                    q32[h * s.head_dim + d] = to_float(q_raw[h * s.head_dim + d]);
+                }
             const int64_t kv_offset = (h0 / group) * s.head_dim;
-            attend(q32, static_cast<const T*>(s.k) + kv_offset, static_cast<const T*>(s.v) + kv_offset,
+            attend(q32, q_raw, static_cast<const T*>(s.k) + kv_offset, static_cast<const T*>(s.v) + kv_offset,
                    s.tables + int64_t(request[t]) * s.table_width, length[t], o32, int(heads), group,
                    int(s.head_dim), int(s.block_size), row_stride, s.scale);
             for (int64_t i = 0; i < width; ++i) put(o + i, o32[i]);

@@ -7,8 +7,6 @@ Oracles: numpy for the summaries, hand-computed values for vLLM's metric definit
 from __future__ import annotations
 
 import json
-import math
-import stat
 import sys
 from pathlib import Path
 

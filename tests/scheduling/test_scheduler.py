@@ -13,7 +13,6 @@ from scheduling import (
     KVCacheManager,
     Request,
     RequestStatus,
-    ScheduledRequest,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,

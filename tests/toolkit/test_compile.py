@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
+from tests.checkpoints import random_prompts, write_checkpoint
 from toolkit import LLM, SamplingParams
 from toolkit.runner import num_compiled_graphs
 

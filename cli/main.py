@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+import toolkit  # noqa: F401  first: its process defaults must be set before torch loads (toolkit/envs.py)
 from cli.bench import bench_app
 from cli.generate import generate
 from cli.info import info

@@ -11,6 +11,7 @@ Read lazily, on each call, so a test or a notebook can change one before buildin
 | `TOOLKIT_CPU_LINEAR` | `auto` | `EngineConfig.cpu_linear`: which linear implementation serves which row counts |
 | `TOOLKIT_CPP_WRAPPER` | `1` | `EngineConfig.cpp_wrapper`: compiled CPU steps run Inductor's C++ wrapper |
 | `CXX` | `c++` | the C++ compiler for the CPU kernels |
+| `ONEDNN_PRIMITIVE_CACHE_CAPACITY` | set to `4096` on import if unset | oneDNN's own: how many compiled matmul primitives it keeps (see `set_process_defaults`) |
 
 `parallel/` reads its own `TOOLKIT_DIST_TIMEOUT` (parallel/distributed.py): a leaf package does not
 import the toolkit.
@@ -57,3 +58,17 @@ def cpp_wrapper() -> bool:
 
 def cxx() -> str:
     return os.environ.get("CXX") or "c++"
+
+
+def set_process_defaults() -> None:
+    """Defaults for libraries the toolkit uses, set when it is imported (a value already set wins).
+
+    oneDNN compiles one primitive per matmul shape, and a decode step's row count changes every step:
+    one engine's linears alone can need more than oneDNN's default 1024 primitives (a row count per
+    running request, times the model's linear shapes), and any other oneDNN user in the process
+    (another model, the benchmark's transformers peer) evicts them, so every step recompiled its
+    matmuls (measured: docs/benchmarks.md). oneDNN reads the variable when torch loads, so this runs
+    when `toolkit` is imported, before it imports torch: a program that imports torch first sets the
+    variable itself (the `toolkit` command imports the toolkit first).
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")

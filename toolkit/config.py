@@ -12,6 +12,7 @@ not implement instead of silently computing something else.
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -85,7 +86,7 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -37,7 +37,6 @@ class Step:
     def __init__(self, forward, kv_caches: list[torch.Tensor], compiled: bool):
         self.forward = forward  # (input_ids, positions, kv_caches, meta, logits_indices) -> logits
         self.kv_caches = kv_caches
-        self.compiled = compiled
         # The model's float constants (eps, scale) are constants of the graph: traced as symbolic floats,
         # Dynamo would trace the whole model once more after failing to turn them into tensors.
         self._dynamo_config = torch._dynamo.config.patch(specialize_float=True) if compiled else None
@@ -80,7 +79,8 @@ def compile_step(model: torch.nn.Module, config, backend):
 
     # Dynamo keeps compiled code per code object, and every function made from this `def` would share
     # one: a copy of the code gives each engine a cache of its own, freed with the engine, so a process
-    # that builds engine after engine never reaches Dynamo's recompile limit.
+    # that builds engine after engine never reaches Dynamo's recompile limit, and, with the guards on
+    # the model dropped below, no engine can be handed a graph another engine's model was traced for.
     step.__code__ = step.__code__.replace(co_name=f"step_{next(_STEP_IDS)}")
     options = {**backend.compile_options(), "guard_filter_fn": _guards_on_inputs}
     return torch.compile(step, fullgraph=True, dynamic=True, backend=config.compile_backend, options=options)
@@ -88,10 +88,10 @@ def compile_step(model: torch.nn.Module, config, backend):
 
 def _guards_on_inputs(entries) -> list[bool]:
     """Keep the guards on the step's inputs and on global state; drop those on the model (its closure
-    variable) and on imported modules. The model is this engine's own and is not changed after
-    `apply`, and its ~2,000 guards (every parameter and module attribute of a 12-layer model) cost
-    more than half a millisecond a step. What can change between steps is in the inputs: their
-    dtypes, ranks and strides, the attention backend and the step kind."""
+    variable) and on imported modules. The model is this engine's own (see compile_step) and is not
+    changed after `apply`, and its ~2,000 guards (every parameter and module attribute of a 12-layer
+    model) were most of Dynamo's time per call (docs/benchmarks.md). What can change between steps is
+    in the inputs: their dtypes, ranks and strides, the attention backend and the step kind."""
     return [not entry.name.startswith(("model", "G[")) for entry in entries]
 
 

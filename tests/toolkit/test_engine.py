@@ -207,3 +207,26 @@ def test_dtypes_load(ckpt):
         assert llm.engine.stats()["backend"]["packed_linears"] == 4 * llm.engine.model_config.num_layers + 1
         out = llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_engine_config_names_a_bad_field_or_environment_default(monkeypatch):
+    from toolkit import EngineConfig
+
+    for field, value, match in [("block_size", 0, "block_size must be an integer >= 1"),
+                                ("max_num_seqs", True, "max_num_seqs must be an integer >= 1"),
+                                ("attention_backend", "flash", "attention_backend must be one of cpu, torch, triton"),
+                                ("cpu_linear", "fast", "cpu_linear must be one of auto, panel, onednn, torch"),
+                                ("kv_cache_memory_fraction", 1.5, "kv_cache_memory_fraction must be in")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(model="m", **{field: value})
+    monkeypatch.setenv("TOOLKIT_CPU_LINEAR", "fast")
+    with pytest.raises(ValueError, match="TOOLKIT_CPU_LINEAR must be one of"):
+        EngineConfig(model="m")
+    monkeypatch.setenv("TOOLKIT_CPU_LINEAR", "panel")
+    monkeypatch.setenv("TOOLKIT_CPU_KERNELS", "0")
+    config = EngineConfig(model="m")
+    assert (config.cpu_linear, config.cpu_kernels) == ("panel", False)  # the environment sets defaults
+    assert EngineConfig(model="m", cpu_kernels=True).cpu_kernels  # and a field given wins
+    monkeypatch.setenv("TOOLKIT_CPU_KERNELS", "maybe")
+    with pytest.raises(ValueError, match="TOOLKIT_CPU_KERNELS must be 0 or 1"):
+        EngineConfig(model="m")

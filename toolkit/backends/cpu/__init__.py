@@ -86,9 +86,12 @@ class CPUBackend(Backend):
         self.linear_plan = plan_for(self.config.cpu_linear, self.config.dtype, layer_shapes(model))
         if self.linear_plan is None:
             return []
-        log.info("CPU linears: %s (%s)", self.linear_plan.describe(), self.linear_plan.source)
-        self.packed_linears = pack_linears(model, self.linear_plan)
-        return [f"{self.packed_linears} linears packed: {self.linear_plan.describe()}"]
+        plan = self.linear_plan
+        weight_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
+        self.packed_linears = pack_linears(model, plan)
+        both = f"; both layouts kept: {weight_bytes / 2**20:.0f} MiB more memory" if plan.panels and plan.onednn else ""
+        log.info("CPU linears: %s (%s)%s", plan.describe(), plan.source, both)
+        return [f"{self.packed_linears} linears packed: {plan.describe()}{both}"]
 
     def compile_options(self) -> dict:
         options = super().compile_options()

@@ -214,7 +214,7 @@ def test_engine_config_names_a_bad_field_or_environment_default(monkeypatch):
 
     for field, value, match in [("block_size", 0, "block_size must be an integer >= 1"),
                                 ("max_num_seqs", True, "max_num_seqs must be an integer >= 1"),
-                                ("attention_backend", "flash", "attention_backend must be one of cpu, torch, triton"),
+                                ("attention_backend", "flash", "attention_backend must be one of torch, triton, cpu"),
                                 ("cpu_linear", "fast", "cpu_linear must be one of auto, panel, onednn, torch"),
                                 ("kv_cache_memory_fraction", 1.5, "kv_cache_memory_fraction must be in")]:
         with pytest.raises(ValueError, match=match):

@@ -15,7 +15,6 @@ tracing, are the Python functions below.
 from __future__ import annotations
 
 import functools
-import logging
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -23,8 +22,6 @@ from pathlib import Path
 import torch
 
 from toolkit.backends.cpu import build
-
-log = logging.getLogger("toolkit")
 
 SOURCES = {"linear": build.CSRC / "linear.cpp", "attention": build.CSRC / "attention.cpp"}
 _loaded: dict[str, Path] = {}

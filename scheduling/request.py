@@ -50,6 +50,9 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # Draft tokens proposed for the next step (speculative decoding): scheduled after the last token,
+    # verified by the model, and never part of output_token_ids unless accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Callers naturally pass lists or sets; the scheduler relies on a private, hashable copy.
@@ -82,6 +85,11 @@ class Request:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most tokens this request can ever hold (prompt + max_tokens), before max_model_len."""
+        return len(self.prompt_token_ids) + self.max_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -3,6 +3,12 @@
 Every request has `num_computed_tokens`; a step gives each scheduled request some new tokens. A prefill
 chunk, a decode (1 token) and a recompute after preemption (computed tokens reset to 0) are the same
 operation, bounded by a per-step token budget and by the free KV blocks.
+
+Speculative decoding adds one more: a decoding request with draft tokens (`Request.spec_token_ids`)
+is scheduled for 1 + k tokens, its last token then the drafts, all in one step; `update` then counts
+as computed only the drafts the model accepted, so the KV slots of rejected ones are written again
+by the next step. `num_lookahead_tokens` reserves KV slots beyond a sampling chunk for a draft model,
+which writes its own KV for the drafts it proposes after the step, into the same block tables.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: str = "fcfs"
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -33,6 +40,9 @@ class SchedulerConfig:
             # bool is an int subclass; True as a block count is a bug, not a 1.
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive integer (>= 1), got {value!r}")
+        if not isinstance(self.num_lookahead_tokens, int) or self.num_lookahead_tokens < 0:
+            raise ValueError(f"SchedulerConfig.num_lookahead_tokens must be an integer >= 0, "
+                             f"got {self.num_lookahead_tokens!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
 
@@ -44,6 +54,8 @@ class ScheduledRequest:
     start_position: int
     block_table: list[int]
     samples: bool
+    num_draft_tokens: int = 0  # the last this many of token_ids are drafts to verify
+
 
     @property
     def num_new_tokens(self) -> int:
@@ -138,6 +150,10 @@ class Scheduler:
         # Pending rejections count: the engine must call schedule() once more to report them.
         return bool(self._requests or self._rejected)
 
+    def decoding_requests(self) -> list[Request]:
+        """Running requests whose next step is a decode (one token to feed): the ones drafts are for."""
+        return [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
+
     def get_request(self, request_id: str) -> Request:
         """A live (waiting, preempted or running) request; finished ones have left the scheduler."""
         return self._requests[request_id]
@@ -168,11 +184,12 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step to make room for an older request
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_table, refund = self._allocate_or_preempt(request, num_new, out)
+            num_drafts = min(len(request.spec_token_ids), budget - num_new) if num_new == 1 else 0
+            block_table, refund = self._allocate_or_preempt(request, num_new + num_drafts, out)
             budget += refund
             if block_table is not None:
-                out.scheduled.append(self._scheduled(request, num_new, block_table))
-                budget -= num_new
+                out.scheduled.append(self._scheduled(request, num_new, block_table, num_drafts))
+                budget -= num_new + num_drafts
         # After a preemption blocks are short, and the head of the waiting queue is now the request
         # just preempted, which must not run in the step that preempted it.
         if not out.preempted:
@@ -189,8 +206,9 @@ class Scheduler:
         by victims that had already been scheduled in this step).
         """
         refund = 0
+        num_slots = num_new + self._lookahead(request, num_new)
         while True:
-            block_table = self.kv_cache.allocate_slots(request, num_new)
+            block_table = self.kv_cache.allocate_slots(request, num_slots)
             if block_table is not None:
                 return block_table, refund
             victim = self._running[-1]
@@ -202,12 +220,23 @@ class Scheduler:
             if victim is request:
                 return None, refund
 
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Slots beyond the chunk for a draft model's KV, when the request decodes after it (the chunk
+        samples, or recomputes all but the last token after a preemption); never past what the request
+        can ever hold, so a request that fits the cache alone still does."""
+        end = request.num_computed_tokens + num_new
+        if self.config.num_lookahead_tokens == 0 or end < request.num_tokens - 1:
+            return 0
+        cap = min(request.max_num_tokens, self.config.max_model_len)
+        return max(0, min(self.config.num_lookahead_tokens, cap - end))
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Preempt by recompute; returns the tokens the victim had been given in this step, if any."""
         self._running.remove(victim)
         self.kv_cache.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         # The key is kept, so under fcfs the victim returns ahead of everything that arrived after it.
         heapq.heappush(self._waiting, (self._keys[victim.request_id], victim))
@@ -222,7 +251,7 @@ class Scheduler:
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0][1]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_table = self.kv_cache.allocate_slots(request, num_new)
+            block_table = self.kv_cache.allocate_slots(request, num_new + self._lookahead(request, num_new))
             if block_table is None:
                 break  # no later request may jump the head of the line, or it could starve
             heapq.heappop(self._waiting)
@@ -233,14 +262,18 @@ class Scheduler:
         return budget
 
     @staticmethod
-    def _scheduled(request: Request, num_new: int, block_table: list[int]) -> ScheduledRequest:
+    def _scheduled(request: Request, num_new: int, block_table: list[int], num_drafts: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
+        token_ids = request.token_ids_slice(start, start + num_new)
+        if num_drafts:
+            token_ids = token_ids + request.spec_token_ids[:num_drafts]
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + num_new),
+            token_ids=token_ids,
             start_position=start,
             block_table=block_table,
             samples=start + num_new == request.num_tokens,
+            num_draft_tokens=num_drafts,
         )
 
     # ---- after the model ran ------------------------------------------------------------------
@@ -258,12 +291,19 @@ class Scheduler:
                     f"request {request.request_id!r} has {request.num_computed_tokens} computed tokens but the "
                     f"output starts at {scheduled.start_position}: update() called twice or on a stale output?"
                 )
-            request.num_computed_tokens += scheduled.num_new_tokens
+            request.spec_token_ids = []  # verified (or not scheduled) now; the next step gets new ones
+            request.num_computed_tokens += scheduled.num_new_tokens - scheduled.num_draft_tokens
             if not scheduled.samples:
                 continue
             if scheduled.request_id not in sampled:
                 raise KeyError(f"request {scheduled.request_id!r} was scheduled to sample but has no sampled token")
-            status = self._append_and_check(request, sampled[scheduled.request_id])
+            tokens = sampled[scheduled.request_id]
+            if not 1 <= len(tokens) <= scheduled.num_draft_tokens + 1:
+                raise ValueError(f"request {scheduled.request_id!r} verified {scheduled.num_draft_tokens} drafts "
+                                 f"but got {len(tokens)} tokens (1 to {scheduled.num_draft_tokens + 1} expected)")
+            # Accepted drafts were computed in this step, at their final positions.
+            request.num_computed_tokens += len(tokens) - 1
+            status = self._append_and_check(request, tokens)
             if status is not None:
                 self._running.remove(request)
                 self._finish(request, status)

@@ -82,6 +82,8 @@ class EngineConfig:
     cpu_linear: str = field(default_factory=envs.cpu_linear)
     # Compiled CPU steps run Inductor's C++ wrapper: no Python between the kernels of a step.
     cpp_wrapper: bool = field(default_factory=envs.cpp_wrapper)
+    # vLLM's dict (speculative/config.py): {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
+    speculative_config: dict | str | object | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):
@@ -95,6 +97,9 @@ class EngineConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        from speculative.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.cpu_linear not in envs.CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(envs.CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
 

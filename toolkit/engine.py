@@ -25,6 +25,7 @@ from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
 from toolkit.sampling_params import SamplingParams
 from toolkit.tokenizer import eos_token_ids, load_tokenizer
+from speculative.speculator import Speculator
 
 log = logging.getLogger("toolkit")
 
@@ -81,6 +82,10 @@ class Engine:
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
         self.runner = ModelRunner(config, mc, self.backend, self.tp)
         kv = self.runner.kv_spec
+        self.sampler = Sampler(config.seed)
+        spec = config.speculative_config
+        # Speculative decoding (speculative/): drafts proposed after each step, verified in the next.
+        self.speculator = None if spec is None else Speculator(spec, config, mc, self.sampler, kv.num_blocks, self.tp)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=kv.num_blocks,
@@ -89,9 +94,9 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 policy=config.scheduling_policy,
+                num_lookahead_tokens=self.speculator.num_lookahead_tokens if self.speculator else 0,
             )
         )
-        self.sampler = Sampler(config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, _Group] = {}
         self._log_kv_cache()
@@ -99,8 +104,22 @@ class Engine:
     def stats(self) -> dict:
         """What this engine built and where it stands: the runner's load and compile times, KV cache,
         backend choices, and the scheduler's queues (what benchmarks and progress displays read)."""
-        return {**self.runner.stats(), "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-                "free_blocks": self.scheduler.num_free_blocks}
+        stats = {**self.runner.stats(), "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+                 "free_blocks": self.scheduler.num_free_blocks}
+        if self.speculator is not None:
+            stats["spec_decode"] = self.speculator.stats.as_dict()
+            stats["draft_runner"] = self.speculator.runner_stats()
+        return stats
+
+    def get_metrics(self) -> list:
+        """vLLM's metric reader objects (toolkit/metrics.py), named toolkit:*."""
+        from toolkit.metrics import Gauge
+
+        metrics = [Gauge("toolkit:num_requests_running", value=self.scheduler.num_running),
+                   Gauge("toolkit:num_requests_waiting", value=self.scheduler.num_waiting)]
+        if self.speculator is not None:
+            metrics += self.speculator.stats.metrics()
+        return metrics
 
     def request_output_len(self, request_id: str) -> int:
         """Tokens generated so far by a running sequence (the scheduler's count)."""
@@ -201,49 +220,63 @@ class Engine:
         for r in plan.scheduled:
             metrics = self._groups[self._tracked[r.request_id].parent_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        sampled = self._run_model(plan)
+        if self.speculator is not None:
+            self.speculator.forget(plan.preempted)
+        sampled, logprobs = self._run_model(plan)
+        before = {rid: self._tracked[rid].request.num_output_tokens for rid in sampled}
         done = self.scheduler.update(plan, sampled)
-        done += self._detokenize(sampled)
+        done += self._append_outputs(sampled, logprobs, before)
         for req in done:
             finished += self._finish_child(req)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler, lambda rid: self._tracked[rid].params, self.max_model_len)
         return finished
 
-    def _run_model(self, plan: SchedulerOutput) -> dict[str, list[int]]:
+    def _run_model(self, plan: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list]]:
+        """The tokens (and their logprob entries) each sampling request gets from this step: one, or
+        after a verify step its accepted drafts and one more."""
         inputs = self.runner.prepare(plan.scheduled)
         logits = self.runner.execute(inputs)
-        ids = [r.request_id for r in plan.scheduled if r.samples]
-        if not ids:
-            return {}
+        sampling = [r for r in plan.scheduled if r.samples]
+        if not sampling:
+            return {}, {}
+        ids = [r.request_id for r in sampling]
         reqs = [self._tracked[i].request for i in ids]
-        out = self.sampler(
-            logits,
-            ids,
-            [self._tracked[i].params for i in ids],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-        )
-        if self.tp is not None:
-            # SPMD: every rank's scheduler must append the same tokens, so TP rank 0's choice wins.
-            out.token_ids = self.tp.broadcast_tokens(out.token_ids)
+        params = [self._tracked[i].params for i in ids]
+        if self.speculator is not None and any(r.num_draft_tokens for r in sampling):
+            verified = self.speculator.verify(logits, plan, reqs, params)
+            tokens, logprobs = verified.token_ids, verified.logprobs
+        else:
+            out = self.sampler(logits, ids, params, [r.prompt_token_ids for r in reqs],
+                               [r.output_token_ids for r in reqs])
+            token_ids = out.token_ids
+            if self.tp is not None:
+                # SPMD: every rank's scheduler must append the same tokens, so TP rank 0's choice wins.
+                token_ids = self.tp.broadcast_tokens(token_ids)
+            tokens, logprobs = [[t] for t in token_ids], [[lp] for lp in out.logprobs]
         now = time.monotonic()
-        for rid, token, lp in zip(ids, out.token_ids, out.logprobs):
-            tracked = self._tracked[rid]
-            metrics = self._groups[tracked.parent_id].metrics
+        for rid in ids:
+            metrics = self._groups[self._tracked[rid].parent_id].metrics
             metrics.first_token_time = metrics.first_token_time or now
-            if tracked.logprobs is not None and lp is not None:
-                tracked.logprobs.append(lp)
-                tracked.cumulative_logprob += lp[token]
-        return {rid: [token] for rid, token in zip(ids, out.token_ids)}
+        return dict(zip(ids, tokens)), dict(zip(ids, logprobs))
 
-    def _detokenize(self, sampled: dict[str, list[int]]) -> list[Request]:
-        """Append the new tokens' text; returns the requests a stop string has just finished."""
+    def _append_outputs(self, sampled: dict[str, list[int]], logprobs: dict[str, list],
+                        before: dict[str, int]) -> list[Request]:
+        """Logprobs and text for the tokens the scheduler appended (a stop token or a length limit may
+        have cut a verified run); returns the requests a stop string has just finished. A stop string
+        ends a run at the token that completes it, as it would have in plain decoding."""
         stopped = []
-        for rid, tokens in sampled.items():
+        for rid in sampled:
             tracked = self._tracked[rid]
-            detokenizer, req = tracked.detokenizer, tracked.request
-            if detokenizer is None:
-                continue  # token ids only: no text, no stop strings
-            stop = detokenizer.add_tokens(tokens)
+            req = tracked.request
+            new = req.output_token_ids[before[rid]:]
+            kept, stop = self._detokenize(tracked, new)
+            del req.output_token_ids[before[rid] + kept:]
+            if tracked.logprobs is not None:
+                for token, lp in zip(new[:kept], logprobs[rid]):
+                    if lp is not None:
+                        tracked.logprobs.append(lp)
+                        tracked.cumulative_logprob += lp[token]
             if stop is None:
                 continue
             if req.status.is_finished:
@@ -254,12 +287,28 @@ class Engine:
             req.stop_reason = stop
         return stopped
 
+    @staticmethod
+    def _detokenize(tracked: _Tracked, tokens: list[int]) -> tuple[int, str | None]:
+        """(how many of the tokens to keep, the stop string they completed or None)."""
+        detokenizer = tracked.detokenizer
+        if detokenizer is None:
+            return len(tokens), None  # token ids only: no text, no stop strings
+        if len(tokens) == 1:
+            return 1, detokenizer.add_tokens(tokens)
+        for n, token in enumerate(tokens, 1):
+            stop = detokenizer.add_tokens([token])
+            if stop is not None:
+                return n, stop
+        return len(tokens), None
+
     def _finish_child(self, req: Request) -> list[RequestOutput]:
         tracked = self._tracked.get(req.request_id)
         if tracked is None or not req.status.is_finished:
             return []
         del self._tracked[req.request_id]
         self.sampler.remove_request(req.request_id)
+        if self.speculator is not None:
+            self.speculator.forget([req.request_id])
         group = self._groups[tracked.parent_id]
         group.done[tracked.index] = CompletionOutput(
             index=tracked.index,

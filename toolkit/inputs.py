@@ -26,7 +26,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T_padded] int64
     positions: torch.Tensor  # [T_padded] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64: the last packed token of each request that samples
+    logits_indices: torch.Tensor  # [S] int64: the last packed token of each request that samples (and its drafts)
     num_tokens: int  # T before padding
     decode_only: bool = False  # every request feeds one token and samples
 
@@ -62,7 +62,8 @@ def build(scheduled: list[ScheduledRequest], *, block_size: int, num_blocks: int
         starts.append(starts[-1] + n)
         tables.append(table)
         if r.samples:
-            sampled.append(starts[-1] - 1)
+            # A verify step samples after its last token and after each draft (speculative/).
+            sampled += range(starts[-1] - 1 - r.num_draft_tokens, starts[-1])
     num_tokens = len(ids)
     decode_only = num_tokens == len(scheduled) and len(sampled) == num_tokens
     padding = max(0, MIN_TOKENS - num_tokens) if pad_tokens or rows_are_tokens else 0

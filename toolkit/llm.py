@@ -28,6 +28,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_metrics(self) -> list:
+        """vLLM's metric objects (`.name`, `.value` or `.values`), named toolkit:*: request gauges and,
+        with speculative decoding, toolkit:spec_decode_num_drafts, _num_draft_tokens,
+        _num_accepted_tokens and _num_accepted_tokens_per_pos (counted since the engine started)."""
+        return self.engine.get_metrics()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -51,8 +51,9 @@ class KVCacheSpec:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, backend, tp=None):
-        """`config` is resolved (EngineConfig.resolve); `tp` is this rank's parallel.TensorParallel."""
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, backend, tp=None, num_blocks: int | None = None):
+        """`config` is resolved (EngineConfig.resolve); `tp` is this rank's parallel.TensorParallel;
+        `num_blocks` fixes the KV cache's block count (a draft model's: the target's) instead of sizing it."""
         self.config = config
         self.model_config = model_config
         self.backend = backend
@@ -63,7 +64,9 @@ class ModelRunner:
                                 load_format=config.load_format, tp=tp)
         self.attention_backend = backend.attention_backend()  # after loading: the CPU kernels build meanwhile
         self.num_kv_heads = tp.num_kv_heads_local if tp is not None else model_config.num_kv_heads
-        self.kv_spec = self._size_kv_cache()
+        self.kv_spec = self._size_kv_cache() if num_blocks is None else KVCacheSpec(
+            num_blocks, config.block_size,
+            kv_cache_bytes_per_token(model_config.num_layers, self.num_kv_heads, model_config.head_dim, config.dtype))
         self.kv_caches = allocate_kv_cache(model_config.num_layers, self.kv_spec.num_blocks, config.block_size,
                                            self.num_kv_heads, model_config.head_dim, config.dtype, self.device)
         if not config.enforce_eager:

@@ -6,8 +6,10 @@ a handful of batched tensor ops whatever the mix of requests; the only host sync
 the sampled ids (and the logprobs, when asked for).
 
 Sampling uses the exponential race: argmax(probs / E) with E ~ Exponential(1) i.i.d. picks token i
-with probability probs[i]. Its randomness is one noise row per request, so a seeded request draws
-its row from its own generator and gets the same tokens whatever else shares the batch.
+with probability probs[i]. Its randomness is one noise row per request and output position; a seeded
+request's row is drawn from a generator keyed by (seed, position), so it gets the same tokens whatever
+else shares the batch and whether or not speculative decoding verified that position
+(speculative/rejection.py).
 """
 
 from __future__ import annotations
@@ -32,20 +34,17 @@ class Sampler:
     def __init__(self, seed: int | None = None):
         self.seed = seed
         # Generators live on the device of the tensors they fill, which is only known from the
-        # logits, so both kinds are created on first use.
+        # logits, so they are created on first use.
         self._engine_generators: dict[torch.device, torch.Generator] = {}
         self._request_seeds: dict[str, int] = {}
-        self._request_generators: dict[str, torch.Generator] = {}
 
     def add_request(self, request_id: str, params: SamplingParams) -> None:
-        """Registers a request; a seeded one gets its own generator (made on its first step)."""
+        """Registers a request; a seeded one draws its randomness from its seed (see `random_rows`)."""
         if params.seed is not None:
             self._request_seeds[request_id] = params.seed
-            self._request_generators.pop(request_id, None)
 
     def remove_request(self, request_id: str) -> None:
         self._request_seeds.pop(request_id, None)
-        self._request_generators.pop(request_id, None)
 
     def __call__(
         self,
@@ -55,48 +54,70 @@ class Sampler:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
     ) -> SamplerOutput:
-        _check_batch(logits, request_ids, params, prompt_token_ids, output_token_ids)
+        """One token per row. Row i samples output position len(output_token_ids[i]) of its request."""
         # Every op below is out of place, so when the input already is float32 (and .to() returns
         # it as is) the caller's logits are left untouched and double as the raw distribution.
         raw_logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
-        processed = apply_penalties(raw_logits, params, prompt_token_ids, output_token_ids)
-        tokens = self._sample(processed, request_ids, params)
+        tokens = self.sample(raw_logits, request_ids, params, prompt_token_ids, output_token_ids)
         return SamplerOutput(
             token_ids=tokens.tolist(),
             logprobs=gather_logprobs(raw_logits, tokens, params),
         )
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str],
-                params: list[SamplingParams]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+               prompt_token_ids: list[list[int]], output_token_ids: list[list[int]]) -> torch.Tensor:
+        """The sampled ids as an int64 tensor [B] (no logprobs)."""
+        _check_batch(logits, request_ids, params, prompt_token_ids, output_token_ids)
+        logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
+        processed = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        return self._sample(processed, request_ids, params, [len(out) for out in output_token_ids])
+
+    def probabilities(self, logits: torch.Tensor, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+                      output_token_ids: list[list[int]]) -> torch.Tensor:
+        """[B, V] float32: the distribution each row samples from, after penalties, temperature,
+        top-k, top-p and min-p (a greedy row's is its temperature-1 distribution; it takes the argmax)."""
+        logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
+        logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        return self._filtered(logits, params).softmax(dim=-1)
+
+    @staticmethod
+    def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        return apply_min_p(apply_top_k_top_p(apply_temperature(logits, params), params), params)
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+                positions: list[int]) -> torch.Tensor:
         greedy = [p.is_greedy for p in params]
         greedy_tokens = argmax_rows(logits)
         if all(greedy):
             return greedy_tokens
-        logits = apply_temperature(logits, params)
-        logits = apply_top_k_top_p(logits, params)
-        logits = apply_min_p(logits, params)
-        probs = logits.softmax(dim=-1)
-        noise = self._exponential_noise(probs, request_ids, params)
+        probs = self._filtered(logits, params).softmax(dim=-1)
+        noise = self.random_rows(probs, request_ids, params, positions, STREAM_SAMPLE, "exponential")
         random_tokens = argmax_rows(probs.div(noise))
         if not any(greedy):
             return random_tokens
         is_greedy = torch.tensor(greedy, device=logits.device)
         return torch.where(is_greedy, greedy_tokens, random_tokens)
 
-    def _exponential_noise(self, probs: torch.Tensor, request_ids: list[str],
-                           params: list[SamplingParams]) -> torch.Tensor:
+    def random_rows(self, like: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+                    positions: list[int], stream: int, kind: str) -> torch.Tensor:
+        """Random numbers shaped like `like` ([B, ...]): Exponential(1) ("exponential") or U[0, 1)
+        ("uniform"). A seeded request's row is a function of (seed, output position, stream) alone, so
+        it is the same whatever else shares the batch, however its tokens were split over steps, and
+        whether or not a speculative step computed that position; other rows use the engine's stream."""
+        out = torch.zeros_like(like, dtype=torch.float32)  # greedy rows stay 0: never read
+        fill = (lambda t, g: t.exponential_(generator=g)) if kind == "exponential" else (
+            lambda t, g: t.uniform_(generator=g))
         types = [p.sampling_type for p in params]
-        noise = torch.empty_like(probs)
         if SamplingType.RANDOM in types:
-            noise.exponential_(generator=self._engine_generator(probs.device))
-        for row, (request_id, kind) in enumerate(zip(request_ids, types)):
-            if kind == SamplingType.RANDOM_SEED:
-                # One full-vocab draw per generated token: the generator's position depends
-                # only on how many tokens this request has produced.
-                noise[row].exponential_(generator=self._request_generator(request_id, probs.device))
-        # exponential_ can return exactly 0; a masked token would then score 0/0 = NaN, which
-        # argmax picks. A tiny floor keeps masked tokens at score 0.
-        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+            fill(out, self._engine_generator(like.device))
+        for row, (request_id, kind_) in enumerate(zip(request_ids, types)):
+            if kind_ == SamplingType.RANDOM_SEED:
+                fill(out[row], self._keyed_generator(request_id, positions[row], stream, like.device))
+        if kind == "exponential":
+            # exponential_ can return exactly 0; a masked token would then score 0/0 = NaN, which
+            # argmax picks. A tiny floor keeps masked tokens at score 0.
+            out.clamp_(min=torch.finfo(out.dtype).tiny)
+        return out
 
     def _engine_generator(self, device: torch.device) -> torch.Generator:
         generator = self._engine_generators.get(device)
@@ -109,16 +130,29 @@ class Sampler:
             self._engine_generators[device] = generator
         return generator
 
-    def _request_generator(self, request_id: str, device: torch.device) -> torch.Generator:
-        generator = self._request_generators.get(request_id)
-        if generator is None:
-            if request_id not in self._request_seeds:
-                raise KeyError(f"request {request_id!r} has a seed but was not given to "
-                               "Sampler.add_request")
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self._request_seeds[request_id])
-            self._request_generators[request_id] = generator
+    def _keyed_generator(self, request_id: str, position: int, stream: int, device: torch.device) -> torch.Generator:
+        if request_id not in self._request_seeds:
+            raise KeyError(f"request {request_id!r} has a seed but was not given to Sampler.add_request")
+        generator = torch.Generator(device=device)
+        generator.manual_seed(_mix(self._request_seeds[request_id], position, stream))
         return generator
+
+
+# The independent random streams of one output position: the plain sample (also a speculative step's
+# bonus and n-gram verification), a draft model's own sample, the acceptance test, the residual sample.
+STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = range(4)
+
+
+def _mix(seed: int, position: int, stream: int) -> int:
+    """A 63-bit generator seed from (seed, position, stream): splitmix64's finalizer over each part in
+    turn, so nearby keys give unrelated streams."""
+    x = 0
+    for part in (seed, position, stream):
+        x = (x ^ (part & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x >> 1
 
 
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:

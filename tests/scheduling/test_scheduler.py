@@ -406,13 +406,78 @@ def test_length_limits():
     assert (by_model_len.num_tokens, by_max_tokens.num_output_tokens, full_prompt.num_output_tokens) == (6, 3, 1)
 
 
-def test_speculative_tokens_stop_midway():
-    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4))
-    r = req("r", 2, 10, stop_token_ids={7})
+def decoding(sched: Scheduler, r: Request, first: int = 1) -> Request:
+    """Add r and run its prefill, which samples `first`: r then decodes."""
     sched.add_request(r)
+    sched.update(sched.schedule(), {r.request_id: [first]})
+    return r
+
+
+def test_drafts_are_scheduled_after_the_last_token_and_only_accepted_ones_count():
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4))
+    r = decoding(sched, req("r", 3, 10))
+    r.spec_token_ids = [7, 8, 9]
     out = sched.schedule()
-    assert sched.update(out, {"r": [1, 7, 3]}) == [r]
+    (s,) = out.scheduled
+    assert s.token_ids == [1, 7, 8, 9] and s.num_draft_tokens == 3 and s.start_position == 3 and s.samples
+    assert out.num_batched_tokens == 4
+    # 7 accepted, 8 rejected: the target's own token 6 replaces it.
+    sched.update(out, {"r": [7, 6]})
+    assert r.output_token_ids == [1, 7, 6] and r.num_computed_tokens == 5 and r.spec_token_ids == []
+    # The next step feeds 6 at position 5: the slot the rejected draft 8 had written is written again.
+    (s,) = sched.schedule().scheduled
+    assert s.token_ids == [6] and s.start_position == 5
+
+
+def test_a_verified_run_stops_where_plain_decoding_would():
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4))
+    r = decoding(sched, req("r", 2, 10, stop_token_ids={7}))
+    r.spec_token_ids = [7, 3]
+    assert sched.update(sched.schedule(), {"r": [7, 3, 5]}) == [r]
     assert r.output_token_ids == [1, 7] and r.stop_reason == 7 and sched.num_free_blocks == 8
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4))
+    r = decoding(sched, req("r", 2, 3))
+    r.spec_token_ids = [7, 3]
+    assert sched.update(sched.schedule(), {"r": [7, 3, 5]}) == [r]
+    assert r.output_token_ids == [1, 7, 3] and r.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_drafts_are_cut_to_the_token_budget_and_more_tokens_than_drafts_is_loud():
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, max_num_batched_tokens=3))
+    r = decoding(sched, req("r", 2, 10))
+    r.spec_token_ids = [7, 8, 9, 10]
+    out = sched.schedule()
+    assert out.scheduled[0].token_ids == [1, 7, 8] and out.scheduled[0].num_draft_tokens == 2
+    with pytest.raises(ValueError, match="verified 2 drafts but got 4 tokens"):
+        sched.update(out, {"r": [7, 8, 9, 10]})
+
+
+def test_lookahead_slots_are_reserved_for_a_draft_model_and_capped_by_the_request():
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, num_lookahead_tokens=3))
+    sched.add_request(req("r", 4, 10))
+    out = sched.schedule()  # the prefill samples: 4 tokens + 3 lookahead slots = 2 blocks
+    assert len(out.scheduled[0].block_table) == 2
+    # A request that can hold only 5 tokens never gets slots past them.
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, num_lookahead_tokens=6))
+    sched.add_request(req("s", 4, 1))
+    assert len(sched.schedule().scheduled[0].block_table) == 2  # 5 tokens, not 10
+    # A chunk that does not sample gets none.
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, num_lookahead_tokens=3, max_num_batched_tokens=4))
+    sched.add_request(req("t", 8, 4))
+    assert len(sched.schedule().scheduled[0].block_table) == 1
+
+
+def test_preemption_drops_a_requests_drafts():
+    sched = Scheduler(SchedulerConfig(num_blocks=2, block_size=4))
+    old, new = req("old", 3, 5), req("new", 3, 5)
+    sched.add_request(old)
+    sched.add_request(new)
+    sched.update(sched.schedule(), {"old": [1], "new": [1]})
+    new.spec_token_ids = [9]
+    old.spec_token_ids = [7, 8, 9]  # 4 tokens from position 3: a second block, so "new" is preempted
+    out = sched.schedule()
+    assert out.preempted == ["new"] and new.spec_token_ids == [] and new.num_computed_tokens == 0
+    assert [s.request_id for s in out.scheduled] == ["old"] and out.scheduled[0].num_draft_tokens == 3
 
 
 def test_update_misuse_is_loud():

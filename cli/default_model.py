@@ -17,6 +17,7 @@ from toolkit.envs import cache_root
 from toolkit.weights import checkpoint_files
 
 TRAINED_MODEL = Path(__file__).resolve().parent.parent / "toolkit" / "default_model" / "target"
+TRAINED_DRAFT = TRAINED_MODEL.parent / "draft"  # its speculative-decoding draft (same tokenizer)
 RANDOM_MODEL_NAME = "default-random"
 HELP_MODEL = "expected a Hugging Face model folder with config.json, *.safetensors and tokenizer files"
 

@@ -23,7 +23,7 @@ from cli.output_file import RecordWriter, Resume, merge_shards, resume_from, sha
 from cli.progress import Reporter
 from cli.records import NativeRecords
 from cli.resume_check import check_input_matches
-from cli.stats import RunStats, print_summary, summary_line
+from cli.stats import RunStats, combine_spec, print_summary, summary_line
 from toolkit.sampling_params import SamplingParams
 
 
@@ -114,6 +114,7 @@ def generate(
     attention_backend: o.BackendOpt = None,
     cpu_linear: o.CpuLinearOpt = None,
     device: o.DeviceOpt = None,
+    speculative_config: o.SpeculativeOpt = None,
     tp: o.TensorParallelOpt = 1,
     dp: o.DataParallelOpt = 1,
 ):
@@ -137,6 +138,8 @@ def generate(
     )
     ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")))
     try:
+        if speculative_config is not None:
+            engine["speculative_config"] = o.parse_speculative_config(speculative_config, model)
         if tp * dp > 1:
             check_parallel_args(io, dp)
             from parallel import maybe_relaunch
@@ -246,6 +249,7 @@ def run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, 
         except LineFailed as e:
             raise CliError(f"{e} (--fail-fast: stopped; fix the line and rerun with the same --output to resume)",
                            code=EXIT_LINE_FAILED) from None
+    stats.spec = engine.stats().get("spec_decode")
     if share is not None:
         from parallel import gather_replicas
 
@@ -288,6 +292,7 @@ def _combine(parts: list[RunStats]) -> RunStats:
         total.output_tokens += other.output_tokens
         total.ttft.extend(other.ttft)
         total.tpot.extend(other.tpot)
+        total.spec = combine_spec(total.spec, other.spec)
     return total
 
 

@@ -73,6 +73,11 @@ CpuLinearOpt = Annotated[Optional[CpuLinear], typer.Option(
     help="CPU linears: auto measures the panel kernel against oneDNN on the model's shapes at start (cached) "
          "and splits by row count; panel or onednn forces one; torch keeps nn.Linear. Default: $TOOLKIT_CPU_LINEAR "
          "or auto.")]
+SpeculativeOpt = Annotated[Optional[str], typer.Option(
+    "--speculative-config", metavar="JSON", rich_help_panel=ENGINE, show_default=False,
+    help='Speculative decoding (vLLM\'s speculative_config as JSON), e.g. {"method": "ngram", '
+         '"num_speculative_tokens": 4} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; '
+         'the built-in model\'s shipped draft needs no "model". Output is unchanged. See the README.')]
 DeviceOpt = Annotated[Optional[str], typer.Option(
     rich_help_panel=ENGINE, show_default=False, help="cuda, cuda:1, cpu, ... Default: cuda when available.")]
 
@@ -106,3 +111,16 @@ def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_bat
     if cpu_linear is not None:
         kwargs["cpu_linear"] = cpu_linear.value
     return kwargs
+
+
+def parse_speculative_config(text: str, model: Path | None):
+    """--speculative-config, checked before anything loads; the built-in model's draft is the default draft."""
+    from cli.default_model import TRAINED_DRAFT, TRAINED_MODEL
+    from cli.errors import CliError
+    from speculative import SpeculativeConfig
+
+    builtin = model is None or Path(model).resolve() == TRAINED_MODEL
+    try:
+        return SpeculativeConfig.parse(text, default_draft=TRAINED_DRAFT if builtin else None)
+    except ValueError as e:
+        raise CliError(f"invalid --speculative-config: {e}") from None

@@ -30,6 +30,7 @@ class RunStats:
         # array('d'): a million requests cost 8 MB per metric, not a list of Python floats.
         self.ttft = array("d")
         self.tpot = array("d")
+        self.spec: dict | None = None  # the engine's speculative-decoding counters (Engine.stats()["spec_decode"])
         self.start = time.monotonic()
 
     def add_output(self, out: RequestOutput) -> int:
@@ -69,6 +70,7 @@ class RunStats:
             "total_tokens_per_s": (self.prompt_tokens + self.output_tokens) / self.elapsed,
             "ttft_s": percentiles(self.ttft),
             "tpot_s": percentiles(self.tpot),
+            "spec_decode": self.spec,
         }
 
 
@@ -95,6 +97,14 @@ def print_summary(stats: RunStats, console: Console, output: str) -> None:
                                 f"{s['total_tokens_per_s']:.1f} total tok/s")
     table.add_row("TTFT p50/p90/p99", _ms(s["ttft_s"]))
     table.add_row("TPOT p50/p90/p99", _ms(s["tpot_s"]))
+    spec = s["spec_decode"]
+    if spec is not None and spec["num_draft_tokens"]:
+        table.add_row("speculation", f"{100 * spec['acceptance_rate']:.1f}% of {spec['num_draft_tokens']:,} "
+                                     "draft tokens accepted")
+        table.add_row("acceptance length", f"{spec['mean_acceptance_length']:.2f} mean; per position "
+                                           f"{_per_position(spec)}%")
+    elif spec is not None:
+        table.add_row("speculation", "no drafts proposed")
     table.add_row("output", output)
     console.print(table)
 
@@ -104,7 +114,33 @@ def summary_line(stats: RunStats, output: str) -> str:
     s = stats.as_dict()
     return (f"done: {s['requests']} requests, {s['errors']} errors, {s['skipped']} skipped, "
             f"{s['output_tokens']} output tokens in {s['elapsed_s']:.1f}s "
-            f"({s['output_tokens_per_s']:.1f} tok/s) -> {output}")
+            f"({s['output_tokens_per_s']:.1f} tok/s)"
+            + (f", speculation: {spec_summary(s['spec_decode'])}" if s["spec_decode"] is not None else "")
+            + f" -> {output}")
+
+
+def spec_summary(spec: dict) -> str:
+    """Acceptance of the drafts: the rate, the mean tokens per verify step and the rate per position."""
+    if not spec["num_draft_tokens"]:
+        return "no drafts proposed"
+    return (f"{100 * spec['acceptance_rate']:.1f}% of {spec['num_draft_tokens']:,} draft tokens accepted, "
+            f"mean acceptance length {spec['mean_acceptance_length']:.2f}, per position {_per_position(spec)}%")
+
+
+def _per_position(spec: dict) -> str:
+    """The share of verify steps that accepted the draft at each position, in percent."""
+    return "/".join(f"{100 * n / spec['num_drafts']:.0f}" for n in spec["accepted_per_pos"])
+
+
+def combine_spec(a: dict | None, b: dict | None) -> dict | None:
+    """Two replicas' speculative-decoding counters as one."""
+    if a is None or b is None:
+        return a or b
+    drafts, tokens, accepted = (a[k] + b[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+    return {"num_drafts": drafts, "num_draft_tokens": tokens, "num_accepted_tokens": accepted,
+            "accepted_per_pos": [x + y for x, y in zip(a["accepted_per_pos"], b["accepted_per_pos"])],
+            "acceptance_rate": accepted / tokens if tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
 
 def _ms(p: dict) -> str:

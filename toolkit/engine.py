@@ -25,7 +25,6 @@ from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
 from toolkit.sampling_params import SamplingParams
 from toolkit.tokenizer import eos_token_ids, load_tokenizer
-from speculative.speculator import Speculator
 
 log = logging.getLogger("toolkit")
 
@@ -84,6 +83,7 @@ class Engine:
         kv = self.runner.kv_spec
         self.sampler = Sampler(config.seed)
         spec = config.speculative_config
+        from speculative.speculator import Speculator  # here: speculative/ imports the toolkit's sampler
         # Speculative decoding (speculative/): drafts proposed after each step, verified in the next.
         self.speculator = None if spec is None else Speculator(spec, config, mc, self.sampler, kv.num_blocks, self.tp)
         self.scheduler = Scheduler(

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cli.bench.metrics import combine_throughput, decode_metrics, latency_metrics
+from cli.bench.metrics import combine_throughput, decode_metrics, latency_metrics, spec_delta
 from cli.bench.model import SHAPES, resolve_model
 from cli.bench.report import build_rows, render_table, report_json
 from cli.bench.roofline import (
@@ -74,6 +74,11 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="tor
 PeakOpt = Annotated[int, typer.Option("--peak-matmul-size", min=16, help="N of the N^3 matmul timed for the peak.")]
 BandwidthOpt = Annotated[int, typer.Option("--bandwidth-mib", min=1, help="Size of the tensor summed for the bandwidth.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")]
+SpecOpt = Annotated[Optional[str], typer.Option(
+    "--speculative-config", metavar="JSON",
+    help="Also run our engine with this speculative_config (vLLM's dict as JSON), beside the plain run, and vLLM "
+    "with it too: acceptance rate, mean acceptance length and per-position acceptance are reported, the ratio "
+    "to the plain run is a column, and the outputs are checked to be the plain run's tokens.")]
 BracketOpt = Annotated[bool, typer.Option(
     "--bracket/--no-bracket",
     help="With a peer: time our engine again after the peers (same engine, no second start-up) and report "
@@ -101,6 +106,7 @@ def throughput(
     kv_cache_gib: KVOpt = None,
     decode_tokens: DecodeOpt = 128,
     threads: ThreadsOpt = None,
+    speculative_config: SpecOpt = None,
     json_path: JsonOpt = None,
     profile: Annotated[Optional[Path], typer.Option(
         "--profile", dir_okay=False,
@@ -138,6 +144,7 @@ def latency(
     kv_cache_gib: KVOpt = None,
     decode_tokens: DecodeOpt = 128,
     threads: ThreadsOpt = None,
+    speculative_config: SpecOpt = None,
     json_path: JsonOpt = None,
     peak_matmul_size: PeakOpt = 2048,
     bandwidth_mib: BandwidthOpt = 512,
@@ -170,6 +177,15 @@ def _run(command: str, o: dict) -> None:
         _fail("--input-len and --output-len take MIN MAX with 1 <= MIN <= MAX")
     if o["threads"]:
         torch.set_num_threads(o["threads"])
+    spec = None
+    if o["speculative_config"] is not None:
+        from cli.options import parse_speculative_config
+        from cli.errors import CliError
+
+        try:
+            spec = parse_speculative_config(o["speculative_config"], o["model"])
+        except CliError as e:
+            _fail(str(e))
     try:
         model_path, load_format = resolve_model(o["model"], o["model_shape"], need_weights=bool(peers))
         mc = load_model_config(model_path)
@@ -214,6 +230,7 @@ def _run(command: str, o: dict) -> None:
     concurrency = o.get("concurrency") or 0
     results: dict[str, dict] = {}
     ours_labels, peer_labels = [], []
+    plain_runs, pairs = {}, []  # with --speculative-config: each plain run's (label, tokens); (speculative, plain) labels
     profile_result = None
     partial = Path(f"{o['json_path']}.partial") if o["json_path"] else None
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -230,14 +247,23 @@ def _run(command: str, o: dict) -> None:
             return out
 
         try:
-            for mode in ours_modes:
+            for mode, variant in [(m, v) for m in ours_modes for v in ([None, spec] if spec else [None])]:
                 system = OursSystem(model_path, load_format=load_format, dtype=dtype_name, eager=mode == "eager",
                                     max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes,
-                                    max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"])
+                                    max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
+                                    speculative_config=variant)
                 res = {"kind": "ours", "startup": startup(system.label, lambda: system.start(warm))}
-                first_raw[system.label] = _run_mode(command, system, requests, concurrency, phase, res)
+                with _spec_counted(system, res, command):
+                    first_raw[system.label] = _run_mode(command, system, requests, concurrency, phase, res)
                 if decode_req:
-                    res["decode_timing"], res["decode_bandwidth"] = _beside(probe, lambda: system.decode(decode_req, phase))
+                    with _spec_counted(system, res, "decode"):
+                        res["decode_timing"], res["decode_bandwidth"] = _beside(probe, lambda: system.decode(decode_req, phase))
+                if variant is not None:
+                    plain_label, plain_tokens = plain_runs[mode]
+                    res["tokens_identical_to_plain"] = system.tokens == plain_tokens
+                    pairs.append((system.label, plain_label))
+                else:
+                    plain_runs[mode] = (system.label, system.tokens)
                 if command == "throughput" and o.get("profile") and profile_result is None:
                     profile_result = system.profile(requests[: o["profile_requests"]], phase)
                     profile_result["system"] = system.label
@@ -262,7 +288,8 @@ def _run(command: str, o: dict) -> None:
             if "vllm" in peers:
                 system = VLLMSystem(model_path, python=python_of(o["peer_python"]), dtype=dtype_name,
                                     eager=o["vllm_eager"], max_model_len=max_model_len,
-                                    max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"])
+                                    max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
+                                    speculative_config=_vllm_spec(spec))
                 raw = system.run(mode=command, requests=requests, warm=warm, concurrency=concurrency,
                                  decode=decode_req, phase=phase, probe=probe)
                 res = {"kind": "peer", "startup": raw["startup"], "version": raw.get("version")}
@@ -274,16 +301,20 @@ def _run(command: str, o: dict) -> None:
                     res["latency"]["concurrency"] = concurrency
                 if raw.get("decode"):
                     res["decode_timing"], res["decode_bandwidth"] = raw["decode"], raw.get("decode_bandwidth")
-                label = f"vLLM {raw.get('version', '')}".strip()
+                label = f"vLLM {raw.get('version', '')}".strip() + (f" ({spec.method} k={spec.k})" if spec else "")
+                if raw.get("spec_decode"):
+                    res["spec_decode"] = {command: raw["spec_decode"]}
                 results[label] = res
                 _say(bar, label, res, partial, results)
                 peer_labels.append(label)
             for system in reversed(kept):  # mirror order: the last to run before the peers runs first after
                 again = {}
                 after = lambda description, total: phase(f"{description} (after the peers)", total)  # noqa: E731
-                raw = _run_mode(command, system, requests, concurrency, after, again)
+                with _spec_counted(system, results[system.label], command):
+                    raw = _run_mode(command, system, requests, concurrency, after, again)
                 if decode_req:
-                    again["decode_timing"], again["decode_bandwidth"] = _beside(probe, lambda: system.decode(decode_req, after))
+                    with _spec_counted(system, results[system.label], "decode"):
+                        again["decode_timing"], again["decode_bandwidth"] = _beside(probe, lambda: system.decode(decode_req, after))
                 _merge_rounds(command, results[system.label], again, concurrency, (first_raw[system.label], raw))
                 _say(bar, f"{system.label}, both runs", results[system.label], partial, results)
             kept.clear()
@@ -313,7 +344,7 @@ def _run(command: str, o: dict) -> None:
             d.update(_bandwidth_fractions(d["bytes_per_token"], timing, beside, bandwidth))
             res["decode"] = d
 
-    rows = build_rows(command, results, ours_labels, peer_labels)
+    rows = build_rows(command, results, ours_labels, peer_labels, pairs)
     model_info = {"path": str(model_path), "shape": o["model_shape"], "load_format_ours": load_format,
                   "dtype": dtype_name, "num_parameters": mc.num_parameters,
                   "layer_linear_parameters": layer_linear_params(mc)}
@@ -323,7 +354,7 @@ def _run(command: str, o: dict) -> None:
     settings = {"max_model_len": max_model_len, "kv_cache_bytes_ours": kv_bytes, "max_num_seqs": o["max_num_seqs"],
                 "max_num_batched_tokens": o["max_num_batched_tokens"], "hf_batch_size": o.get("hf_batch_size"),
                 "concurrency": concurrency or None, "decode_tokens": o["decode_tokens"], "vllm_eager": o["vllm_eager"],
-                "bracket": bracket}
+                "bracket": bracket, "speculative_config": spec and spec.__dict__}
     roofline = {"matmul": peak, "matmul_other_dtype": other_peak, "compute_peak": roof, "bandwidth": bandwidth,
                 "flops_formula": "per request (P prompt, O output, T=P+O-1 tokens fed): 2*T*P_layers "
                                  "+ 4*L*Hq*D*T(T+1)/2 + 2*O*V*H",
@@ -337,7 +368,9 @@ def _run(command: str, o: dict) -> None:
                f"{dtype_name}; {len(requests)} requests, {workload['prompt_tokens']} prompt + {workload['output_tokens']} "
                f"output tokens" + (f"; concurrency {concurrency}" if command == "latency" else "")
                + ". Ratios are ours / peer."
-               + (" Ours: two timed runs, before and after the peers, as one." if bracket else ""))
+               + (" Ours: two timed runs, before and after the peers, as one." if bracket else "")
+               + "".join(f" {a}: tokens {'identical to' if results[a]['tokens_identical_to_plain'] else 'DIFFERENT from'} "
+                         f"{b}'s." for a, b in pairs))
     title = f"toolkit bench {command}"
     out = Console()
     if not out.is_terminal:
@@ -356,6 +389,37 @@ def _run(command: str, o: dict) -> None:
                           settings=settings, systems=results,
                           profile=profile_result and {"system": profile_result["system"], "top": profile_result["top"]})
         Path(o["json_path"]).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+class _spec_counted:
+    """Adds the speculative-decoding counters of the runs inside it to res["spec_decode"][run]."""
+
+    def __init__(self, system, res: dict, run: str):
+        self.system, self.res, self.run = system, res, run
+
+    def __enter__(self):
+        self.before = self.system.spec_counters() if isinstance(self.system, OursSystem) else None
+
+    def __exit__(self, *exc):
+        if self.before is None or exc[0] is not None:
+            return
+        after = self.system.spec_counters()
+        total = self.res.setdefault("spec_decode", {}).get(self.run)
+        delta = spec_delta(after, self.before)
+        self.res["spec_decode"][self.run] = delta if total is None else spec_delta(delta, total, sign=-1)
+
+
+def _vllm_spec(spec) -> dict | None:
+    if spec is None:
+        return None
+    out = {"method": spec.method, "num_speculative_tokens": spec.k}
+    if spec.method == "ngram":
+        out.update(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
+    else:
+        out["model"] = spec.model
+    if spec.disable_by_batch_size is not None:
+        out["disable_by_batch_size"] = spec.disable_by_batch_size
+    return out
 
 
 def _run_mode(command: str, system, requests, concurrency: int, phase, res: dict):

@@ -150,3 +150,15 @@ def combine_throughput(runs: list[dict]) -> dict:
         out["compile_in_run_s"] = sum(r.get("compile_in_run_s", 0.0) for r in runs)
     out["runs"] = runs
     return out
+
+
+def spec_delta(after: dict, before: dict, sign: int = 1) -> dict:
+    """Speculative-decoding counters of one run: `after - before` (sign=-1: after + before, two runs as one),
+    with its acceptance rate (%), mean acceptance length and per-position acceptance (%) recomputed."""
+    counts = {k: after[k] - sign * before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    per_pos = [a - sign * b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"])]
+    drafts, tokens = counts["num_drafts"], counts["num_draft_tokens"]
+    return {**counts, "accepted_per_pos": per_pos,
+            "acceptance_rate_pct": 100 * counts["num_accepted_tokens"] / tokens if tokens else None,
+            "mean_acceptance_length": 1 + counts["num_accepted_tokens"] / drafts if drafts else None,
+            "acceptance_per_pos_pct": [100 * n / drafts for n in per_pos] if drafts else None}

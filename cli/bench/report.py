@@ -46,6 +46,12 @@ LATENCY_ROWS = [
     ("latency", "output tokens/s", "tok/s", HIGHER, ("latency", "output_tokens_per_s")),
     ("latency", "requests/s", "req/s", HIGHER, ("latency", "requests_per_s")),
 ]
+SPEC_ROWS = [
+    ("speculation", f"{run}: {name}", unit, HIGHER, ("spec_decode", key, field))
+    for run, key in (("workload", None), ("batch-1 decode", "decode"))
+    for name, unit, field in (("acceptance rate", "%", "acceptance_rate_pct"),
+                              ("mean acceptance length", "tok/step", "mean_acceptance_length"))
+]
 COMMON_ROWS = [
     ("start-up", "start-up (construct + warm-up)", "s", LOWER, ("startup", "total_s")),
     ("start-up", "load", "s", LOWER, ("startup", "load_s")),
@@ -64,19 +70,21 @@ def ratio_name(ours: str, peer: str) -> str:
     return f"{ours} / {peer}"
 
 
-def build_rows(command: str, systems: dict[str, dict], ours: list[str], peers: list[str]) -> list[Row]:
-    """Rows for every figure at least one system has; ratios of each of ours to each peer."""
-    specs = (THROUGHPUT_ROWS if command == "throughput" else LATENCY_ROWS) + COMMON_ROWS
+def build_rows(command: str, systems: dict[str, dict], ours: list[str], peers: list[str],
+               pairs: list[tuple[str, str]] = ()) -> list[Row]:
+    """Rows for every figure at least one system has; ratios of each of ours to each peer, and of each
+    (a, b) in `pairs` (a speculative run to its plain run)."""
+    spec_rows = [(s, m, u, b, path if path[1] else (path[0], command, path[2])) for s, m, u, b, path in SPEC_ROWS]
+    specs = (THROUGHPUT_ROWS if command == "throughput" else LATENCY_ROWS) + spec_rows + COMMON_ROWS
     rows = []
     for section, metric, unit, better, path in specs:
         values = {label: _get(systems[label], *path) for label in systems}
         if all(v is None for v in values.values()):
             continue
         ratios = {}
-        for o in ours:
-            for p in peers:
-                a, b = values.get(o), values.get(p)
-                ratios[ratio_name(o, p)] = a / b if a is not None and b not in (None, 0) else None
+        for a, b in [(o, p) for p in peers for o in ours] + list(pairs):
+            x, y = values.get(a), values.get(b)
+            ratios[ratio_name(a, b)] = x / y if x is not None and y not in (None, 0) else None
         rows.append(Row(section, metric, unit, better, values, ratios))
     return rows
 

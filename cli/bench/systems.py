@@ -54,18 +54,29 @@ class OursSystem:
     name = "toolkit"
 
     def __init__(self, model: Path, *, load_format: str, dtype: str, eager: bool, max_model_len: int,
-                 kv_cache_memory_bytes: int | None, max_num_seqs: int, max_num_batched_tokens: int):
+                 kv_cache_memory_bytes: int | None, max_num_seqs: int, max_num_batched_tokens: int,
+                 speculative_config=None):
         self.kwargs = dict(dtype=dtype, enforce_eager=eager, skip_tokenizer_init=True, load_format=load_format,
                            seed=0, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           speculative_config=speculative_config)
         self.model = model
         self.eager = eager
+        self.spec = speculative_config
         self.llm = None
         self._ids = 0
+        self.tokens: dict[str, list[list[int]]] = {}  # per run ("throughput", "latency", "decode"): outputs in order
 
     @property
     def label(self) -> str:
-        return "toolkit (eager)" if self.eager else "toolkit (compiled)"
+        mode = "eager" if self.eager else "compiled"
+        if self.spec is not None:
+            mode += f", {self.spec.method} k={self.spec.k}"
+        return f"toolkit ({mode})"
+
+    def spec_counters(self) -> dict | None:
+        """The engine's speculative-decoding counters so far (None without speculation)."""
+        return dict(self.llm.engine.stats()["spec_decode"]) if self.spec is not None else None
 
     def start(self, warm: BenchRequest) -> dict:
         from toolkit import LLM
@@ -97,19 +108,22 @@ class OursSystem:
             added[rid] = r
         return added
 
-    def _drain(self, added: dict[str, BenchRequest], advance: Advance) -> int:
-        engine, tokens = self.llm.engine, 0
+    def _drain(self, added: dict[str, BenchRequest], advance: Advance, record: str | None = None) -> int:
+        engine, tokens, outputs = self.llm.engine, 0, {}
         while engine.has_unfinished():
             for out in engine.step():
                 tokens += _check_output(out, added)
+                outputs[out.request_id] = out.outputs[0].token_ids
                 advance(1)
+        if record is not None:
+            self.tokens[record] = [outputs[rid] for rid in added]
         return tokens
 
     def throughput(self, requests: list[BenchRequest], phase: Phase) -> dict:
         advance = phase(f"{self.label}: throughput", len(requests))
         compile_before = self.llm.engine.stats()["compile_s"]
         start = time.perf_counter()
-        tokens = self._drain(self._add(requests), advance)
+        tokens = self._drain(self._add(requests), advance, record="throughput")
         elapsed = time.perf_counter() - start
         out = throughput_metrics(len(requests), sum(r.prompt_len for r in requests), tokens, elapsed)
         # A compile inside the timed run would make it slower than steady state: report it.
@@ -124,6 +138,7 @@ class OursSystem:
         queue = deque(requests)
         inflight: dict[str, tuple[RequestTiming, BenchRequest]] = {}
         timings: list[RequestTiming] = []
+        order, outputs = [], {}
 
         def admit():
             while queue and len(inflight) < concurrency:
@@ -133,6 +148,7 @@ class OursSystem:
                 now = time.monotonic()
                 engine.add_request(rid, r.prompt_token_ids, self._params(r), arrival_time=now)
                 inflight[rid] = (RequestTiming(now, r.prompt_len), r)
+                order.append(rid)
 
         start = time.monotonic()
         admit()
@@ -142,7 +158,8 @@ class OursSystem:
             for rid, (timing, r) in inflight.items():
                 if rid in finished:
                     _check_output(finished[rid], {rid: r})
-                    count = len(finished[rid].outputs[0].token_ids)
+                    outputs[rid] = finished[rid].outputs[0].token_ids
+                    count = len(outputs[rid])
                 else:
                     try:
                         count = engine.request_output_len(rid)
@@ -153,6 +170,7 @@ class OursSystem:
                 timings.append(inflight.pop(rid)[0])
                 advance(1)
             admit()
+        self.tokens["decode" if description == "batch-1 decode" else "latency"] = [outputs[rid] for rid in order]
         return timings, time.monotonic() - start
 
     def decode(self, request: BenchRequest, phase: Phase) -> RequestTiming:
@@ -314,10 +332,11 @@ class VLLMSystem:
     label = "vLLM"
 
     def __init__(self, model: Path, *, python: Path, dtype: str, eager: bool, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, speculative_config: dict | None = None):
         self.python = Path(python)
         self.config = dict(model=str(model), dtype=dtype, enforce_eager=eager, max_model_len=max_model_len,
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           speculative_config=speculative_config)
 
     def run(self, *, mode: str, requests: list[BenchRequest], warm: BenchRequest, concurrency: int,
             decode: BenchRequest | None, phase: Phase, timeout_s: float | None = None,

@@ -59,7 +59,8 @@ def main(spec_path: str) -> None:
     start = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec["dtype"], skip_tokenizer_init=True, seed=0,
               max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"],
-              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"])
+              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+              **({"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}))
     constructed = time.perf_counter() - start
     generate_all([spec["warm"]])
     total = time.perf_counter() - start
@@ -133,7 +134,26 @@ def main(spec_path: str) -> None:
         timings, _ = stepped([spec["decode"]], 1, "batch-1 decode")
         wait_for_probe(spec)
         result["decode"] = timings[0]
+    if spec.get("speculative_config"):
+        result["spec_decode"] = spec_metrics(llm)
     emit(event="result", result=result)
+
+
+def spec_metrics(llm) -> dict | None:
+    """vLLM's own spec-decode counters (the whole run, warm-up included), in our report's fields."""
+    try:
+        metrics = {m.name: m for m in llm.get_metrics()}
+    except Exception:  # noqa: BLE001 - an older vLLM, or metrics disabled
+        return None
+    get = lambda name: getattr(metrics.get(f"vllm:spec_decode_{name}"), "value", None)  # noqa: E731
+    drafts, tokens, accepted = get("num_drafts"), get("num_draft_tokens"), get("num_accepted_tokens")
+    if not drafts or not tokens:
+        return None
+    per_pos = list(getattr(metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos"), "values", []) or [])
+    return {"num_drafts": drafts, "num_draft_tokens": tokens, "num_accepted_tokens": accepted,
+            "accepted_per_pos": per_pos, "acceptance_rate_pct": 100 * accepted / tokens,
+            "mean_acceptance_length": 1 + accepted / drafts,
+            "acceptance_per_pos_pct": [100 * n / drafts for n in per_pos]}
 
 
 if __name__ == "__main__":

@@ -448,6 +448,35 @@ def test_latency_with_a_peer_brackets_our_runs(tiny, tmp_path):
     assert doc["systems"]["transformers"]["latency"]["completed"] == 3
 
 
+def test_speculative_config_runs_beside_the_plain_engine_with_the_same_tokens(tiny, tmp_path):
+    """--speculative-config: a second engine of ours with speculation; its acceptance per run, its ratio to
+    the plain engine, and a check that it produced the plain engine's tokens (greedy)."""
+    report = tmp_path / "spec.json"
+    spec = json.dumps({"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 2})
+    result = bench("throughput", "--model", tiny, "-n", 3, "--input-len", 4, 9, "--output-len", 7, 7,
+                   "--decode-tokens", 7, "--speculative-config", spec, "--json", report, *QUICK)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(report.read_text())
+    label = "toolkit (eager, draft_model k=2)"
+    spec_res, plain = doc["systems"][label], doc["systems"]["toolkit (eager)"]
+    assert spec_res["tokens_identical_to_plain"] is True and "tokens identical to toolkit (eager)'s" in result.output
+    # The target as its own draft: every draft kept. 7 tokens = 1 from the prefill + 2 verify steps of 3.
+    for run in ("throughput", "decode"):
+        counts = spec_res["spec_decode"][run]
+        requests = 3 if run == "throughput" else 1
+        assert counts["num_drafts"] == 2 * requests and counts["num_draft_tokens"] == 4 * requests
+        assert counts["acceptance_rate_pct"] == 100 and counts["mean_acceptance_length"] == 3
+        assert counts["acceptance_per_pos_pct"] == [100, 100]
+    assert "spec_decode" not in plain
+    row = next(r for r in doc["rows"] if r["metric"] == "decode tokens/s")
+    assert row["ratios"][f"{label} / toolkit (eager)"] == pytest.approx(
+        row["values"][label] / row["values"]["toolkit (eager)"])
+    rate = next(r for r in doc["rows"] if r["metric"] == "workload: acceptance rate")
+    assert rate["values"][label] == 100 and rate["values"]["toolkit (eager)"] is None
+    bad = bench("throughput", "--model", tiny, "--speculative-config", '{"method": "x"}', *QUICK)
+    assert bad.exit_code == 2 and "speculative_config" in bad.output
+
+
 def test_cli_errors(tiny):
     r = CliRunner().invoke(bench_app, ["throughput", "--model", str(tiny), "--peer", "nope", "--no-progress"])
     assert r.exit_code == 2 and "unknown --peer" in r.output

@@ -171,6 +171,38 @@ def test_plain_text_to_stdout_in_small_windows(ckpt, llm, tmp_path):
     assert "output tokens" in result.stderr and "TTFT" in result.stderr  # the summary table
 
 
+def test_speculative_config_keeps_the_output_and_reports_acceptance(ckpt, llm, tmp_path):
+    prompts = ["the cat sat on the mat and the cat sat on", "hello world hello world", "a list comprehension a list"]
+    path = write_lines(tmp_path / "prompts.txt", prompts)
+    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    for spec in ('{"method": "ngram", "num_speculative_tokens": 3}',
+                 json.dumps({"method": "draft_model", "model": str(ckpt), "num_speculative_tokens": 2})):
+        out = tmp_path / "out.jsonl"
+        out.unlink(missing_ok=True)
+        result = generate(ckpt, "-i", path, "-o", out, "--max-tokens", 12, "--speculative-config", spec)
+        assert result.exit_code == 0, result.output
+        got = {r["prompt"]: r["outputs"][0]["token_ids"] for r in read_records(out)}
+        assert [got[p] for p in prompts] == [e.outputs[0].token_ids for e in expected]
+        assert "draft tokens accepted" in result.stderr and "acceptance length" in result.stderr
+        quiet = generate(ckpt, "-i", path, "-o", tmp_path / f"q{len(spec)}.jsonl", "--max-tokens", 12, "-q",
+                         "--speculative-config", spec)
+        assert "speculation:" in quiet.stderr and "draft tokens accepted" in quiet.stderr
+    for spec, message in (('{"method": "eagle", "num_speculative_tokens": 3}', "speculative_config.method"),
+                          ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                          ('{"method": "draft_model", "num_speculative_tokens": 2}', "speculative_config.model"),
+                          ("{nope", "not valid JSON")):
+        result = generate(ckpt, "hi", "--speculative-config", spec)
+        assert result.exit_code == 2 and message in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_the_built_in_model_takes_its_shipped_draft():
+    from cli.options import parse_speculative_config
+
+    spec = parse_speculative_config('{"method": "draft_model", "num_speculative_tokens": 4}', None)
+    assert spec.model == str(cli.default_model.TRAINED_DRAFT)
+
+
 def test_single_prompt_prints_the_completion(ckpt, llm):
     result = generate(ckpt, "the cat sat on", "--max-tokens", 8)
     assert result.exit_code == 0, result.output

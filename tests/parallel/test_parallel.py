@@ -148,6 +148,31 @@ def test_tp2_compiled_builds_model_after_model_in_one_process(case, tmp_path):
         assert [m["compiled_graphs"] for m in report["models"]] == [1] * len(families), report["rank"]
 
 
+def test_tp2_speculative_decoding_matches_single_process(case, tmp_path):
+    """n-gram and draft-model speculation under tp=2 (the draft replicated on both ranks, drafts and
+    verified tokens from TP rank 0): the single-process greedy tokens."""
+    from tests.speculative.checkpoints import write_perturbed_draft
+
+    draft = write_perturbed_draft(case.paths["llama3"], tmp_path / "draft")
+    specs = [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+             {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+             {"method": "draft_model", "model": str(case.paths["tied_mqa"]), "num_speculative_tokens": 2}]
+    families = ("llama3", "llama3", "tied_mqa")
+    spec_args = [arg for spec in specs for arg in ("--speculative-config", json.dumps(spec))]
+    proc = torchrun(tmp_path, ["--nproc-per-node=2", "--standalone"],
+                    [*model_args(case, families), "--tp", "2", *spec_args])
+    assert proc.returncode == 0, output_tail(proc)
+    reports = read_reports(tmp_path, 2)
+    for family, result in zip(families, reports[0]["models"]):
+        assert result["tokens"] == case.expected[family], family
+    for report in reports:
+        stats = [m["spec_decode"] for m in report["models"]]
+        assert all(s["num_drafts"] > 0 for s in stats), report["rank"]
+        assert 0 < stats[1]["num_accepted_tokens"] < stats[1]["num_draft_tokens"], "a draft that is sometimes wrong"
+        assert stats[2]["acceptance_rate"] == 1.0, "the target as its own draft"
+    assert [m["spec_decode"] for m in reports[0]["models"]] == [m["spec_decode"] for m in reports[1]["models"]]
+
+
 # --- bad configurations and failures end the job with a clear error -------------------------------
 
 

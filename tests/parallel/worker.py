@@ -1,7 +1,7 @@
 """The program tests/parallel/test_parallel.py runs under torchrun (it holds no tests itself).
 
 Every rank builds `LLM(model, tensor_parallel_size=..., data_parallel_size=...)` for each --model
-in turn (the same model may come several times: a process that builds engine after engine) and
+in turn (with the n-th --speculative-config, if given) (the same model may come several times: a process that builds engine after engine) and
 generates greedily for the prompts in --prompts; each rank writes what it saw to <out>/rank<R>.json:
 rank 0 the generated token ids, every rank its resident parameter bytes, its KV-cache shape and the
 graphs each engine compiled. Fault injection for the failure tests: --model-for-rank gives one rank its own
@@ -30,12 +30,13 @@ def main() -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     overrides = dict(item.split("=", 1) for item in args.model_for_rank)
     report = {"rank": rank, "models": []}
-    for model in args.model:
+    specs = args.speculative_config + [None] * (len(args.model) - len(args.speculative_config))
+    for model, spec in zip(args.model, specs):
         path = overrides.get(str(rank), model)  # the failure tests pass a single --model
         llm = LLM(
             path, dtype="float32", enforce_eager=args.compile is None, compile_backend=args.compile or "inductor",
             max_model_len=128, block_size=16, skip_tokenizer_init=True,
-            tensor_parallel_size=args.tp, data_parallel_size=args.dp,
+            tensor_parallel_size=args.tp, data_parallel_size=args.dp, speculative_config=spec,
         )
         if rank == args.fail_rank:
             fail_after(llm, args.fail_after_steps, args.fail_mode)
@@ -48,6 +49,7 @@ def main() -> None:
             "param_bytes": resident_param_bytes(runner.model),
             "kv_shape": list(runner.kv_caches[0].shape),
             "compiled_graphs": llm.engine.stats()["graphs"],
+            "spec_decode": llm.engine.stats().get("spec_decode"),
         })
         del llm
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
@@ -62,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--speculative-config", action="append", default=[], metavar="JSON",
+                   help="for the n-th --model, in order (models without one decode plainly)")
     p.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND", help="torch.compile (default: eager)")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-after-steps", type=int, default=3)

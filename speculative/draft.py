@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from scheduling import Request, ScheduledRequest
-from toolkit.sampler import STREAM_DRAFT, Sampler, argmax_rows
+from toolkit.sampler import STREAM_DRAFT, Sampler, argmax_rows, uses_penalties
 from toolkit.sampling_params import SamplingParams
 
 
@@ -67,11 +67,15 @@ class DraftModelProposer:
     def _sample(self, logits, requests, params, drafts):
         ids = [r.request_id for r in requests]
         prompts = [r.prompt_token_ids for r in requests]
-        outputs = [r.output_token_ids + d for r, d in zip(requests, drafts)]
-        q = self.sampler.probabilities(logits, params, prompts, outputs)
+        # Penalties see the drafts so far as output; only they read the lists, so only they get copies.
+        outputs = [r.output_token_ids + d if uses_penalties(p) else r.output_token_ids
+                   for r, d, p in zip(requests, drafts, params)]
+        positions = [r.num_output_tokens + len(d) for r, d in zip(requests, drafts)]
         if all(p.is_greedy for p in params):
-            return argmax_rows(q).tolist(), q
-        noise = self.sampler.random_rows(q, ids, params, [len(o) for o in outputs], STREAM_DRAFT, "exponential")
+            # The draft's argmax after the request's penalties; q is not needed to verify greedy drafts.
+            return self.sampler.sample(logits, ids, params, prompts, outputs, positions).tolist(), None
+        q = self.sampler.probabilities(logits, params, prompts, outputs)
+        noise = self.sampler.random_rows(q, ids, params, positions, STREAM_DRAFT, "exponential")
         sampled = argmax_rows(q / noise)
         greedy = torch.tensor([p.is_greedy for p in params], device=q.device)
         return torch.where(greedy, argmax_rows(q), sampled).tolist(), q

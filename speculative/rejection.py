@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, Sampler, argmax_rows, gather_logprobs)
+from toolkit.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, Sampler, argmax_rows, gather_logprobs, uses_penalties
 from toolkit.sampling_params import SamplingParams
 
 
@@ -51,7 +51,7 @@ class RejectionSampler:
         rows = _Rows(request_ids, params, prompt_token_ids, output_token_ids, drafts)
         if raw.shape[0] != len(rows.ids):
             raise ValueError(f"{raw.shape[0]} logits rows for {len(rows.ids)} verify positions")
-        plain = self.sampler.sample(raw, rows.ids, rows.params, rows.prompts, rows.outputs).tolist()
+        plain = self.sampler.sample(raw, rows.ids, rows.params, rows.prompts, rows.outputs, rows.positions).tolist()
         tested = [i for i, q in enumerate(draft_probs) if q is not None and drafts[i] and not params[i].is_greedy]
         accepted, residual = self._probability_test(raw, rows, tested, drafts, draft_probs)
         token_ids, kept_rows = [], []
@@ -77,7 +77,7 @@ class RejectionSampler:
         q = torch.cat([draft_probs[i] for i in tested]).to(p.device, torch.float32)
         d = torch.tensor([t for i in tested for t in drafts[i]], device=p.device).unsqueeze(1)
         p_d, q_d = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)
-        positions = [len(out) for out in sub.outputs]
+        positions = sub.positions
         u = self.sampler.random_rows(p_d, sub.ids, sub.params, positions, STREAM_ACCEPT, "uniform")
         accept = (u * q_d < p_d).tolist()  # u < p/q without dividing by a q that may round to 0
         leftover = (p - q).clamp_(min=0)
@@ -111,26 +111,29 @@ class RejectionSampler:
 
 class _Rows:
     """The verify rows of a batch: request i's row j samples output position len(outputs[i]) + j, and
-    its penalties see d_1..d_j-1 as output."""
+    its penalties see d_1..d_j-1 as output (copied only for requests with penalties: nothing else
+    reads the lists)."""
+
+    FIELDS = ("ids", "params", "prompts", "outputs", "positions")
 
     def __init__(self, request_ids, params, prompts, outputs, drafts):
         self.request_params = params
-        self.ids, self.params, self.prompts, self.outputs, self.first = [], [], [], [], []
+        self.ids, self.params, self.prompts, self.outputs, self.positions, self.first = [], [], [], [], [], []
         for rid, p, prompt, out, draft in zip(request_ids, params, prompts, outputs, drafts):
             self.first.append(len(self.ids))
+            penalized = uses_penalties(p)
             for j in range(len(draft) + 1):
                 self.ids.append(rid)
                 self.params.append(p)
                 self.prompts.append(prompt)
-                self.outputs.append(out if j == 0 else out + draft[:j])
+                self.outputs.append(out + draft[:j] if j and penalized else out)
+                self.positions.append(len(out) + j)
 
     @staticmethod
     def select(rows: "_Rows", index: list[int]) -> "_Rows":
         sub = _Rows([], [], [], [], [])
-        sub.ids = [rows.ids[r] for r in index]
-        sub.params = [rows.params[r] for r in index]
-        sub.prompts = [rows.prompts[r] for r in index]
-        sub.outputs = [rows.outputs[r] for r in index]
+        for name in _Rows.FIELDS:
+            setattr(sub, name, [getattr(rows, name)[r] for r in index])
         return sub
 
 

@@ -65,12 +65,15 @@ class Sampler:
         )
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-               prompt_token_ids: list[list[int]], output_token_ids: list[list[int]]) -> torch.Tensor:
-        """The sampled ids as an int64 tensor [B] (no logprobs)."""
+               prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+               positions: list[int] | None = None) -> torch.Tensor:
+        """The sampled ids as an int64 tensor [B] (no logprobs). `positions`: each row's output position
+        (default len(output_token_ids[i])), for callers whose output lists are only read by penalties."""
         _check_batch(logits, request_ids, params, prompt_token_ids, output_token_ids)
         logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
         processed = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
-        return self._sample(processed, request_ids, params, [len(out) for out in output_token_ids])
+        positions = [len(out) for out in output_token_ids] if positions is None else positions
+        return self._sample(processed, request_ids, params, positions)
 
     def probabilities(self, logits: torch.Tensor, params: list[SamplingParams], prompt_token_ids: list[list[int]],
                       output_token_ids: list[list[int]]) -> torch.Tensor:
@@ -192,6 +195,11 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int,
     ones = torch.ones(len(cols), dtype=like.dtype, device=like.device)
     counts.index_put_((rows.to(like.device), cols.to(like.device)), ones, accumulate=True)
     return counts
+
+
+def uses_penalties(params: SamplingParams) -> bool:
+    """Whether the request's distribution depends on the tokens it has produced so far."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],

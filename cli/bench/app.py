@@ -69,7 +69,8 @@ TokensOpt = Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help=
 KVOpt = Annotated[Optional[float], typer.Option(
     "--kv-cache-gib", min=0.001, help="Our KV cache size (default: what the whole workload needs at once, at most 4 GiB).")]
 DecodeOpt = Annotated[int, typer.Option(
-    "--decode-tokens", min=0, help="Tokens of the batch-1 decode run (memory-bandwidth fraction); 0 skips it.")]
+    "--decode-tokens", min=0, help="Tokens of the batch-1 decode run (memory-bandwidth fraction); 0 skips it. "
+    "Its prompt: the --dataset's first, else 32 random tokens.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads (default: torch's).")]
 PeakOpt = Annotated[int, typer.Option("--peak-matmul-size", min=16, help="N of the N^3 matmul timed for the peak.")]
 BandwidthOpt = Annotated[int, typer.Option("--bandwidth-mib", min=1, help="Size of the tensor summed for the bandwidth.")]
@@ -199,7 +200,10 @@ def _run(command: str, o: dict) -> None:
     except ValueError as e:
         _fail(str(e))
     decode_req = None
-    if o["decode_tokens"]:
+    if o["decode_tokens"] and o["dataset"] is not None:
+        # A dataset's own text: what a model (and a draft, or n-gram lookup) sees in that workload.
+        decode_req = BenchRequest(requests[0].prompt_token_ids, o["decode_tokens"])
+    elif o["decode_tokens"]:
         decode_req = random_workload(1, (32, 32), (o["decode_tokens"],) * 2, mc.vocab_size, seed=o["seed"] + 1)[0]
     warm = BenchRequest(requests[0].prompt_token_ids, 2)
     longest = max(r.prompt_len + r.output_len for r in requests + ([decode_req] if decode_req else []))

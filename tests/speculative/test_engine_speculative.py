@@ -128,7 +128,10 @@ def test_stops_inside_an_accepted_run_end_where_plain_decoding_ends(text_model):
              dict(max_tokens=40, stop=stop_strings, ignore_eos=True), dict(max_tokens=40, stop=stop_strings,
                                                                            include_stop_str_in_output=True),
              dict(max_tokens=None, ignore_eos=True), dict(max_tokens=30, min_tokens=9, stop_token_ids=stop_ids),
-             dict(max_tokens=12, logprobs=2)]
+             dict(max_tokens=12, logprobs=2),
+             # Penalties count the drafts before a position as output, as plain decoding counts them.
+             dict(max_tokens=30, repetition_penalty=1.5, ignore_eos=True),
+             dict(max_tokens=30, frequency_penalty=1.0, presence_penalty=0.5, ignore_eos=True)]
     spec_llm = LLM(str(text_model), dtype="float32", max_model_len=64, enforce_eager=True,
                    speculative_config=spec("draft_model", 5, text_model))
     for kwargs in cases:
@@ -155,7 +158,10 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(tmp_path, metho
     path = write_checkpoint(tmp_path / "target", family, seed=1)
     draft = write_perturbed_draft(path, tmp_path / "draft")
     prompts = repetitive_prompts(random_prompts(6, seed=2, low=3, high=30))
-    params = [SamplingParams(temperature=0.5, top_p=0.95, seed=100 + i, max_tokens=NEW_TOKENS) for i in range(len(prompts))]
+    # Half the requests with penalties, which must see earlier drafts as output.
+    params = [SamplingParams(temperature=0.5, top_p=0.95, seed=100 + i, max_tokens=NEW_TOKENS,
+                             presence_penalty=0.4 * (i % 2), repetition_penalty=1 + 0.2 * (i % 2))
+              for i in range(len(prompts))]
     requests = [{"prompt_token_ids": p} for p in prompts]
 
     def run(order, llm):

@@ -467,6 +467,20 @@ def test_lookahead_slots_are_reserved_for_a_draft_model_and_capped_by_the_reques
     assert len(sched.schedule().scheduled[0].block_table) == 1
 
 
+def test_a_recompute_that_leaves_one_token_gets_lookahead_slots_too():
+    """After a preemption the request recomputes all but its last token, then decodes it: the draft
+    model writes past that chunk, so its slots are reserved then (this once ran off the table's end)."""
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, num_lookahead_tokens=3, max_num_batched_tokens=3))
+    # As a preempted request comes back: 4 tokens (3 prompt, 1 output), none computed; the budget of 3
+    # recomputes all but the last, which the draft feeds right after this step.
+    r = Request("r", [100, 101, 102], 10, output_token_ids=[1])
+    sched.add_request(r)
+    (s,) = sched.schedule().scheduled
+    assert len(s.token_ids) == 3 and not s.samples
+    # The draft then writes positions 3..5 (the last token and 2 drafts): 6 slots, 2 blocks.
+    assert len(s.block_table) == 2
+
+
 def test_preemption_drops_a_requests_drafts():
     sched = Scheduler(SchedulerConfig(num_blocks=2, block_size=4))
     old, new = req("old", 3, 5), req("new", 3, 5)

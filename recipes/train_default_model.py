@@ -487,6 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distill", type=float, default=0.8, help="weight of the KL-to-target term for the draft")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="reuse this folder's tokenizer instead of training one (keeps losses comparable)")
+    ap.add_argument("--target-from", type=Path, default=None,
+                    help="a trained target folder: skip the target's training and distill a new draft from it")
+    ap.add_argument("--draft-hidden", type=int, default=256)
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--draft-heads", type=int, default=4, help="attention heads of the draft (head_dim = hidden/heads)")
+    ap.add_argument("--draft-intermediate", type=int, default=768)
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a pair (<dir>/target, <dir>/draft) to evaluate on the same held-out tokens first")
     args = ap.parse_args(argv)
@@ -542,15 +548,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     target = LlamaForCausalLM(llama_config(vocab_size, tokenizer, hidden=384, layers=6, heads=6, kv_heads=2,
                                            intermediate=1024)).float()
+    if args.target_from is not None:
+        target = LlamaForCausalLM.from_pretrained(args.target_from, dtype=torch.float32)
     torch.manual_seed(args.seed + 1)
-    draft = LlamaForCausalLM(llama_config(vocab_size, tokenizer, hidden=256, layers=2, heads=4, kv_heads=2,
-                                          intermediate=768)).float()
+    draft = LlamaForCausalLM(llama_config(vocab_size, tokenizer, hidden=args.draft_hidden, layers=args.draft_layers,
+                                          heads=args.draft_heads, kv_heads=min(2, args.draft_heads),
+                                          intermediate=args.draft_intermediate)).float()
     n_target, n_draft = param_count(target), param_count(draft)
     print(f"params: target {n_target / 1e6:.2f}M, draft {n_draft / 1e6:.2f}M", flush=True)
 
     tokens_per_step = args.batch * args.seq
-    t_res = train(target, train_stream, val_stream, steps=args.steps, batch=args.batch, seq=args.seq,
-                  lr=args.lr, warmup=max(1, min(40, args.steps // 10)), seed=args.seed, name="target")
+    if args.target_from is None:
+        t_res = train(target, train_stream, val_stream, steps=args.steps, batch=args.batch, seq=args.seq,
+                      lr=args.lr, warmup=max(1, min(40, args.steps // 10)), seed=args.seed, name="target")
+    else:
+        t_res = {"from": str(args.target_from), "val_ce": round(evaluate(target, val_stream, args.seq, seed=args.seed + 1), 4)}
     target.eval()
     d_res = train(draft, train_stream, val_stream, steps=draft_steps, batch=args.batch, seq=args.seq,
                   lr=args.draft_lr, warmup=max(1, min(40, draft_steps // 10)), seed=args.seed + 7, name="draft",
@@ -571,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
     }
     print("summary " + json.dumps(summary), flush=True)
-    print(f"final loss: target {t_res['train_ce_ema']:.3f} (held-out {t_res['val_ce']:.3f}), "
+    print(f"final loss: target {t_res.get('train_ce_ema', float('nan')):.3f} (held-out {t_res['val_ce']:.3f}), "
           f"draft {d_res['train_ce_ema']:.3f} (held-out {d_res['val_ce']:.3f}); wall {wall:.1f} min", flush=True)
     return 0
 

@@ -27,6 +27,9 @@ class DraftModelProposer:
         self.sampler = sampler
         self.num_tokens = num_tokens
         self._valid: dict[str, int] = {}  # request id -> leading positions of its draft KV that are valid
+        # Greedy drafts 2..k in one call (one compiled graph of k - 1 unrolled draft forwards): at
+        # batch 1 a draft forward is mostly per-call cost, which this pays once instead of k - 1 times.
+        self._greedy_loop = GreedyDraftLoop(runner, num_tokens - 1) if num_tokens > 1 else None
 
     def reset(self, request_id: str) -> None:
         """The request's blocks were freed (finished or preempted): its draft KV is gone."""
@@ -47,6 +50,9 @@ class DraftModelProposer:
             scheduled.append(ScheduledRequest(r.request_id, r.token_ids_slice(start, r.num_tokens), start, tables[i],
                                               samples=True))
         while active:
+            if drafts[active[0]] and self._greedy_loop is not None and _plain_greedy(params, active):
+                self._greedy_loop.run(requests, limits, tables, drafts, active)
+                break
             logits = self.runner.execute(self.runner.prepare(scheduled))
             tokens, q = self._sample(logits, [requests[i] for i in active], [params[i] for i in active],
                                      [drafts[i] for i in active])
@@ -79,3 +85,70 @@ class DraftModelProposer:
         sampled = argmax_rows(q / noise)
         greedy = torch.tensor([p.is_greedy for p in params], device=q.device)
         return torch.where(greedy, argmax_rows(q), sampled).tolist(), q
+
+
+def _plain_greedy(params: list[SamplingParams], rows: list[int]) -> bool:
+    return all(params[i].is_greedy and not uses_penalties(params[i]) for i in rows)
+
+
+class GreedyDraftLoop:
+    """Drafts 2..k of greedy requests without penalties in one call: `steps` = k - 1 draft forwards
+    unrolled in one function (compiled with the draft's step options unless enforce_eager), each
+    feeding the previous argmax at the next position. A request that may draft fewer stops writing
+    KV once it has its drafts: its later rows repeat its last position with slot -1 (never written)
+    and are dropped."""
+
+    def __init__(self, runner, steps: int):
+        self.runner, self.steps = runner, steps
+        self.graphs = 0  # compiled for this loop (one serves every batch size)
+        block_size, backend = runner.config.block_size, runner.attention_backend
+        model = runner.model
+
+        def greedy_draft_loop(tokens, positions, limits, block_tables, kv_caches):
+            from attention import AttentionMetadata
+
+            rows = tokens.shape[0]
+            starts = torch.arange(rows + 1, dtype=torch.int32, device=tokens.device)
+            index = torch.arange(rows, dtype=torch.int64, device=tokens.device)
+            out = []
+            for j in range(steps):
+                # Feed draft j + 1 at positions + j while the request still needs draft j + 2.
+                live = limits > j + 1
+                pos = positions + torch.clamp(limits - 2, max=j)
+                block = block_tables.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1).to(torch.int64)
+                slots = torch.where(live, block * block_size + pos % block_size, -1)
+                meta = AttentionMetadata(starts, (pos + 1).to(torch.int32), block_tables, slots, backend,
+                                         decode_only=True)
+                tokens = model(tokens, pos, kv_caches, meta, index).argmax(dim=-1)
+                out.append(tokens)
+            return torch.stack(out, dim=1)
+
+        self._fn = greedy_draft_loop
+        if not runner.config.enforce_eager:
+            from toolkit.transforms import compile_function
+
+            self._fn = compile_function(greedy_draft_loop, runner.config, runner.backend)
+
+    @torch.inference_mode()
+    def run(self, requests, limits, tables, drafts, active) -> None:
+        """Appends drafts 2..limits[i] to drafts[i] for the requests in `active` (each has its first)."""
+        device = self.runner.device
+        width = max(len(tables[i]) for i in active)
+        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        tokens = as_tensor([drafts[i][-1] for i in active], torch.int64)
+        positions = as_tensor([requests[i].num_tokens for i in active], torch.int64)  # where draft 1 is fed
+        limit = as_tensor([limits[i] for i in active], torch.int64)
+        block_tables = as_tensor([tables[i] + [0] * (width - len(tables[i])) for i in active], torch.int32)
+        if not self.runner.config.enforce_eager:
+            from torch._dynamo.decorators import mark_unbacked
+
+            for t in (tokens, positions, limit, block_tables):
+                mark_unbacked(t, 0)
+            mark_unbacked(block_tables, 1)
+        from toolkit.runner import num_compiled_graphs
+
+        before = num_compiled_graphs()
+        out = self._fn(tokens, positions, limit, block_tables, self.runner.kv_caches).tolist()
+        self.graphs += num_compiled_graphs() - before
+        for row, i in enumerate(active):
+            drafts[i] += out[row][: limits[i] - 1]

@@ -74,7 +74,10 @@ class Speculator:
         return self.spec.k if self.draft is not None else 0
 
     def runner_stats(self) -> dict | None:
-        return None if self.draft is None else self.draft.runner.stats()
+        if self.draft is None:
+            return None
+        loop = self.draft._greedy_loop
+        return {**self.draft.runner.stats(), "greedy_loop_graphs": loop.graphs if loop else 0}
 
     # --- after a step: drafts for the next one ----------------------------------------------------
 

@@ -72,7 +72,6 @@ def apply(model: torch.nn.Module, kv_caches: list[torch.Tensor], config, backend
 def compile_step(model: torch.nn.Module, config, backend):
     """The whole model as one torch.compile'd function, dynamic in every batch size (the runner marks
     them), with a Dynamo cache of its own."""
-    _use_persistent_inductor_cache()
 
     def step(input_ids, positions, kv_caches, meta, logits_indices):
         return model(input_ids, positions, kv_caches, meta, logits_indices)
@@ -81,9 +80,17 @@ def compile_step(model: torch.nn.Module, config, backend):
     # one: a copy of the code gives each engine a cache of its own, freed with the engine, so a process
     # that builds engine after engine never reaches Dynamo's recompile limit, and, with the guards on
     # the model dropped below, no engine can be handed a graph another engine's model was traced for.
-    step.__code__ = step.__code__.replace(co_name=f"step_{next(_STEP_IDS)}")
+    return compile_function(step, config, backend)
+
+
+def compile_function(fn, config, backend):
+    """`fn` (a closure over one engine's model) compiled the way the step is: whole-graph, dynamic,
+    the device backend's options, guards on its inputs only, and a Dynamo cache of its own (a copy
+    of its code under a name of its own; see compile_step)."""
+    _use_persistent_inductor_cache()
+    fn.__code__ = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_STEP_IDS)}")
     options = {**backend.compile_options(), "guard_filter_fn": _guards_on_inputs}
-    return torch.compile(step, fullgraph=True, dynamic=True, backend=config.compile_backend, options=options)
+    return torch.compile(fn, fullgraph=True, dynamic=True, backend=config.compile_backend, options=options)
 
 
 def _guards_on_inputs(entries) -> list[bool]:

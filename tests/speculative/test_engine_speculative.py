@@ -85,7 +85,8 @@ def test_compiled_verify_steps_ride_the_one_graph(family, method, tmp_path):
     stats = llm.engine.stats()
     assert stats["graphs"] == 1, "prefill, decode and verify steps share one compiled graph"
     if method == "draft_model":
-        assert stats["draft_runner"]["graphs"] == 1
+        # The draft's step (its first draft after each verify) and its greedy loop (drafts 2..k).
+        assert stats["draft_runner"]["graphs"] == 1 and stats["draft_runner"]["greedy_loop_graphs"] == 1
     assert stats["spec_decode"]["num_accepted_tokens"] > 0
 
 

@@ -185,7 +185,7 @@ class Scheduler:
                 continue  # preempted earlier in this step to make room for an older request
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_drafts = min(len(request.spec_token_ids), budget - num_new) if num_new == 1 else 0
-            block_table, refund = self._allocate_or_preempt(request, num_new + num_drafts, out)
+            block_table, refund, num_drafts = self._allocate_or_preempt(request, num_new, out, num_drafts)
             budget += refund
             if block_table is not None:
                 out.scheduled.append(self._scheduled(request, num_new, block_table, num_drafts))
@@ -198,19 +198,23 @@ class Scheduler:
         return out
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, out: SchedulerOutput
-    ) -> tuple[list[int] | None, int]:
+        self, request: Request, num_new: int, out: SchedulerOutput, num_drafts: int = 0
+    ) -> tuple[list[int] | None, int, int]:
         """Blocks for the request's new tokens, preempting the last-served running requests until they fit.
+        Speculation gives way first: the draft model's lookahead slots, then the drafts themselves, are
+        dropped before anyone is preempted for them (a step without drafts costs less than a recompute).
 
         Returns (block table or None when the request itself was preempted, tokens refunded to the budget
-        by victims that had already been scheduled in this step).
+        by victims that had already been scheduled in this step, drafts kept).
         """
         refund = 0
-        num_slots = num_new + self._lookahead(request, num_new)
+        full = num_new + num_drafts
+        tries = [(full + self._lookahead(request, full), num_drafts), (full, num_drafts), (num_new, 0)]
         while True:
-            block_table = self.kv_cache.allocate_slots(request, num_slots)
-            if block_table is not None:
-                return block_table, refund
+            for num_slots, kept in tries[: 3 if num_drafts else 2]:
+                block_table = self.kv_cache.allocate_slots(request, num_slots)
+                if block_table is not None:
+                    return block_table, refund, kept
             victim = self._running[-1]
             if victim is request and len(self._running) == 1:
                 # add_request only admits requests that fit the whole cache; reaching here is a bug,
@@ -218,7 +222,7 @@ class Scheduler:
                 raise RuntimeError(f"request {request.request_id!r} cannot get KV blocks even alone in the cache")
             refund += self._preempt(victim, out)
             if victim is request:
-                return None, refund
+                return None, refund, 0
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Slots beyond the chunk for a draft model's KV, when the request decodes after it (the chunk
@@ -251,7 +255,8 @@ class Scheduler:
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0][1]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_table = self.kv_cache.allocate_slots(request, num_new + self._lookahead(request, num_new))
+            block_table = (self.kv_cache.allocate_slots(request, num_new + self._lookahead(request, num_new))
+                           or self.kv_cache.allocate_slots(request, num_new))
             if block_table is None:
                 break  # no later request may jump the head of the line, or it could starve
             heapq.heappop(self._waiting)

@@ -214,7 +214,9 @@ def _run(command: str, o: dict) -> None:
     if o["kv_cache_gib"] is not None:
         kv_bytes = int(o["kv_cache_gib"] * 2**30)
     else:  # every request resident at once (no preemption), at most vLLM's 4 GiB
-        blocks = sum(math.ceil((r.prompt_len + r.output_len) / BLOCK) for r in requests) + 1
+        # With speculation, room for 1 + k tokens a step and a draft model's k lookahead slots too.
+        extra = 2 * spec.k if spec is not None else 0
+        blocks = sum(math.ceil((r.prompt_len + r.output_len + extra) / BLOCK) for r in requests) + 1
         kv_bytes = min(blocks * BLOCK * bytes_per_token, 4 * 2**30)
 
     err = Console(stderr=True)

@@ -481,17 +481,35 @@ def test_a_recompute_that_leaves_one_token_gets_lookahead_slots_too():
     assert len(s.block_table) == 2
 
 
-def test_preemption_drops_a_requests_drafts():
+def test_drafts_give_way_before_anyone_is_preempted_for_them():
     sched = Scheduler(SchedulerConfig(num_blocks=2, block_size=4))
     old, new = req("old", 3, 5), req("new", 3, 5)
     sched.add_request(old)
     sched.add_request(new)
     sched.update(sched.schedule(), {"old": [1], "new": [1]})
-    new.spec_token_ids = [9]
-    old.spec_token_ids = [7, 8, 9]  # 4 tokens from position 3: a second block, so "new" is preempted
+    # Each holds one block; 3 drafts from position 3 would need a second: the drafts are dropped instead.
+    old.spec_token_ids = [7, 8, 9]
     out = sched.schedule()
+    assert out.preempted == [] and [s.num_draft_tokens for s in out.scheduled] == [0, 0]
+    # So do a draft model's lookahead slots: b is admitted with the one block left, without them.
+    sched = Scheduler(SchedulerConfig(num_blocks=3, block_size=4, num_lookahead_tokens=3))
+    a, b = req("a", 3, 5), req("b", 3, 5)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [(s.request_id, len(s.block_table)) for s in out.scheduled] == [("a", 2), ("b", 1)]
+
+
+def test_preemption_drops_a_requests_drafts():
+    sched = Scheduler(SchedulerConfig(num_blocks=2, block_size=4))
+    old, new = req("old", 4, 3), req("new", 3, 3)  # each fits the cache alone
+    sched.add_request(old)
+    sched.add_request(new)
+    sched.update(sched.schedule(), {"old": [1], "new": [1]})
+    new.spec_token_ids = [9]
+    out = sched.schedule()  # old's next token (position 4) needs a second block: new is preempted
     assert out.preempted == ["new"] and new.spec_token_ids == [] and new.num_computed_tokens == 0
-    assert [s.request_id for s in out.scheduled] == ["old"] and out.scheduled[0].num_draft_tokens == 3
+    assert [s.request_id for s in out.scheduled] == ["old"]
 
 
 def test_update_misuse_is_loud():

@@ -14,6 +14,8 @@ KV is simply overwritten next time.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from scheduling import Request, ScheduledRequest
@@ -101,6 +103,7 @@ class GreedyDraftLoop:
     def __init__(self, runner, steps: int):
         self.runner, self.steps = runner, steps
         self.graphs = 0  # compiled for this loop (one serves every batch size)
+        self.compile_seconds = 0.0
         block_size, backend = runner.config.block_size, runner.attention_backend
         model = runner.model
 
@@ -147,8 +150,10 @@ class GreedyDraftLoop:
             mark_unbacked(block_tables, 1)
         from toolkit.runner import num_compiled_graphs
 
-        before = num_compiled_graphs()
+        before, start = num_compiled_graphs(), time.perf_counter()
         out = self._fn(tokens, positions, limit, block_tables, self.runner.kv_caches).tolist()
-        self.graphs += num_compiled_graphs() - before
+        if num_compiled_graphs() > before:
+            self.graphs += num_compiled_graphs() - before
+            self.compile_seconds += time.perf_counter() - start
         for row, i in enumerate(active):
             drafts[i] += out[row][: limits[i] - 1]

@@ -77,7 +77,10 @@ class Speculator:
         if self.draft is None:
             return None
         loop = self.draft._greedy_loop
-        return {**self.draft.runner.stats(), "greedy_loop_graphs": loop.graphs if loop else 0}
+        stats = self.draft.runner.stats()
+        stats.update(greedy_loop_graphs=loop.graphs if loop else 0,
+                     greedy_loop_compile_s=loop.compile_seconds if loop else 0.0)
+        return stats
 
     # --- after a step: drafts for the next one ----------------------------------------------------
 

@@ -108,7 +108,9 @@ class Engine:
                  "free_blocks": self.scheduler.num_free_blocks}
         if self.speculator is not None:
             stats["spec_decode"] = self.speculator.stats.as_dict()
-            stats["draft_runner"] = self.speculator.runner_stats()
+            draft = stats["draft_runner"] = self.speculator.runner_stats()
+            if draft is not None:  # compile_s: every graph this engine compiled, the draft's included
+                stats["compile_s"] += draft["compile_s"] + draft["greedy_loop_compile_s"]
         return stats
 
     def get_metrics(self) -> list:

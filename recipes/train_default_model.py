@@ -434,6 +434,8 @@ def save(model, tokenizer, out: Path, max_new_tokens: int = 128) -> None:
     tc_path = out / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # where a reused tokenizer was loaded from: not a setting
+        tc.pop(key, None)
     tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
 
 

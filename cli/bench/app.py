@@ -422,7 +422,7 @@ def _vllm_spec(spec) -> dict | None:
     if spec.method == "ngram":
         out.update(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
     else:
-        out["model"] = spec.model
+        out["model"] = str(Path(spec.model).resolve())
     if spec.disable_by_batch_size is not None:
         out["disable_by_batch_size"] = spec.disable_by_batch_size
     return out

@@ -339,7 +339,8 @@ class VLLMSystem:
     def __init__(self, model: Path, *, python: Path, dtype: str, eager: bool, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, speculative_config: dict | None = None):
         self.python = Path(python)
-        self.config = dict(model=str(model), dtype=dtype, enforce_eager=eager, max_model_len=max_model_len,
+        # Absolute: the worker runs in a temporary directory.
+        self.config = dict(model=str(Path(model).resolve()), dtype=dtype, enforce_eager=eager, max_model_len=max_model_len,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            speculative_config=speculative_config)
 

@@ -31,7 +31,7 @@ class DraftModelProposer:
         self._valid: dict[str, int] = {}  # request id -> leading positions of its draft KV that are valid
         # Greedy drafts 2..k in one call (one compiled graph of k - 1 unrolled draft forwards): at
         # batch 1 a draft forward is mostly per-call cost, which this pays once instead of k - 1 times.
-        self._greedy_loop = GreedyDraftLoop(runner, num_tokens - 1) if num_tokens > 1 else None
+        self.greedy_loop = GreedyDraftLoop(runner, num_tokens - 1) if num_tokens > 1 else None
 
     def reset(self, request_id: str) -> None:
         """The request's blocks were freed (finished or preempted): its draft KV is gone."""
@@ -52,8 +52,8 @@ class DraftModelProposer:
             scheduled.append(ScheduledRequest(r.request_id, r.token_ids_slice(start, r.num_tokens), start, tables[i],
                                               samples=True))
         while active:
-            if drafts[active[0]] and self._greedy_loop is not None and _plain_greedy(params, active):
-                self._greedy_loop.run(requests, limits, tables, drafts, active)
+            if drafts[active[0]] and self.greedy_loop is not None and _plain_greedy(params, active):
+                self.greedy_loop.run(requests, limits, tables, drafts, active)
                 break
             logits = self.runner.execute(self.runner.prepare(scheduled))
             tokens, q = self._sample(logits, [requests[i] for i in active], [params[i] for i in active],

@@ -76,7 +76,7 @@ class Speculator:
     def runner_stats(self) -> dict | None:
         if self.draft is None:
             return None
-        loop = self.draft._greedy_loop
+        loop = self.draft.greedy_loop
         stats = self.draft.runner.stats()
         stats.update(greedy_loop_graphs=loop.graphs if loop else 0,
                      greedy_loop_compile_s=loop.compile_seconds if loop else 0.0)

@@ -201,20 +201,15 @@ class Scheduler:
         self, request: Request, num_new: int, out: SchedulerOutput, num_drafts: int = 0
     ) -> tuple[list[int] | None, int, int]:
         """Blocks for the request's new tokens, preempting the last-served running requests until they fit.
-        Speculation gives way first: the draft model's lookahead slots, then the drafts themselves, are
-        dropped before anyone is preempted for them (a step without drafts costs less than a recompute).
 
         Returns (block table or None when the request itself was preempted, tokens refunded to the budget
         by victims that had already been scheduled in this step, drafts kept).
         """
         refund = 0
-        full = num_new + num_drafts
-        tries = [(full + self._lookahead(request, full), num_drafts), (full, num_drafts), (num_new, 0)]
         while True:
-            for num_slots, kept in tries[: 3 if num_drafts else 2]:
-                block_table = self.kv_cache.allocate_slots(request, num_slots)
-                if block_table is not None:
-                    return block_table, refund, kept
+            block_table, kept = self._allocate(request, num_new, num_drafts)
+            if block_table is not None:
+                return block_table, refund, kept
             victim = self._running[-1]
             if victim is request and len(self._running) == 1:
                 # add_request only admits requests that fit the whole cache; reaching here is a bug,
@@ -223,6 +218,18 @@ class Scheduler:
             refund += self._preempt(victim, out)
             if victim is request:
                 return None, refund, 0
+
+    def _allocate(self, request: Request, num_new: int, num_drafts: int = 0) -> tuple[list[int] | None, int]:
+        """(block table or None, drafts kept) for num_new tokens, their drafts and a draft model's
+        lookahead slots. Speculation gives way first: lookahead slots, then the drafts, are dropped
+        before the caller preempts anyone for them (a step without drafts costs less than a recompute)."""
+        full = num_new + num_drafts
+        for num_slots, kept in dict.fromkeys([(full + self._lookahead(request, full), num_drafts), (full, num_drafts),
+                                               (num_new, 0)]):
+            block_table = self.kv_cache.allocate_slots(request, num_slots)
+            if block_table is not None:
+                return block_table, kept
+        return None, 0
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Slots beyond the chunk for a draft model's KV, when the request decodes after it (the chunk
@@ -255,8 +262,7 @@ class Scheduler:
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0][1]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_table = (self.kv_cache.allocate_slots(request, num_new + self._lookahead(request, num_new))
-                           or self.kv_cache.allocate_slots(request, num_new))
+            block_table, _ = self._allocate(request, num_new)
             if block_table is None:
                 break  # no later request may jump the head of the line, or it could starve
             heapq.heappop(self._waiting)

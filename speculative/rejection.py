@@ -51,8 +51,8 @@ class RejectionSampler:
         rows = _Rows(request_ids, params, prompt_token_ids, output_token_ids, drafts)
         if raw.shape[0] != len(rows.ids):
             raise ValueError(f"{raw.shape[0]} logits rows for {len(rows.ids)} verify positions")
-        plain = self.sampler.sample(raw, rows.ids, rows.params, rows.prompts, rows.outputs, rows.positions).tolist()
         tested = [i for i, q in enumerate(draft_probs) if q is not None and drafts[i] and not params[i].is_greedy]
+        plain = self._plain(raw, rows, tested, drafts)
         accepted, residual = self._probability_test(raw, rows, tested, drafts, draft_probs)
         token_ids, kept_rows = [], []
         for i, draft in enumerate(drafts):
@@ -66,6 +66,20 @@ class RejectionSampler:
             token_ids.append(draft[:n] + [last])
             kept_rows.append(range(first, first + n + 1))
         return Verified(token_ids, self._logprobs(raw, rows, token_ids, kept_rows))
+
+    def _plain(self, raw, rows, tested, drafts) -> list[int | None]:
+        """Plain sampling's token at every row that needs it: all rows but a tested request's draft
+        rows (those are decided by the probability test; only its bonus row samples plainly)."""
+        skip = {rows.first[i] + j for i in tested for j in range(len(drafts[i]))}
+        if not skip:
+            return self.sampler.sample(raw, rows.ids, rows.params, rows.prompts, rows.outputs, rows.positions).tolist()
+        index = [r for r in range(len(rows.ids)) if r not in skip]
+        sub = _Rows.select(rows, index)
+        plain: list[int | None] = [None] * len(rows.ids)
+        sampled = self.sampler.sample(raw[index], sub.ids, sub.params, sub.prompts, sub.outputs, sub.positions)
+        for r, token in zip(index, sampled.tolist()):
+            plain[r] = token
+        return plain
 
     def _probability_test(self, raw, rows, tested, drafts, draft_probs):
         """For the requests in `tested`: {i: accept flag per draft}, {i: residual sample per draft}."""

@@ -93,9 +93,11 @@ class Speculator:
 
     def propose(self, scheduler: Scheduler, params_of, max_model_len: int) -> None:
         """Set `spec_token_ids` of every decoding request (none above disable_by_batch_size)."""
-        requests = scheduler.decoding_requests()
         limit = self.spec.disable_by_batch_size
-        if not requests or (limit is not None and scheduler.num_running > limit):
+        if limit is not None and scheduler.num_running > limit:
+            return
+        requests = scheduler.decoding_requests()
+        if not requests:
             return
         # Never draft past what plain decoding could still produce: a verify step appends up to k + 1.
         limits = [max(0, min(self.spec.k, r.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens - 1))
@@ -118,7 +120,7 @@ class Speculator:
             self._draft_probs[r.request_id] = q
 
     def _broadcast(self, drafts: list[list[int]], limits: list[int]) -> list[list[int]]:
-        """TP rank 0's drafts on every rank (padded to the limits, which every rank computes alike)."""
+        """TP rank 0's token lists on every rank (padded to `limits`, which every rank computes alike)."""
         flat = [d[j] if j < len(d) else -1 for d, limit in zip(drafts, limits) for j in range(limit)]
         flat = self.tp.broadcast_tokens(flat)
         out, at = [], 0
@@ -142,7 +144,7 @@ class Speculator:
                                   [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
                                   drafts, probs)
         if self.tp is not None:
-            verified.token_ids = self._broadcast_verified(verified.token_ids, drafts)
+            verified.token_ids = self._broadcast(verified.token_ids, [len(d) + 1 for d in drafts])
         for i, d in enumerate(drafts):
             if d:
                 accepted = verified.num_accepted(i)
@@ -152,10 +154,6 @@ class Speculator:
                 for j in range(accepted):
                     self.stats.accepted_per_pos[j] += 1
         return verified
-
-    def _broadcast_verified(self, token_ids: list[list[int]], drafts: list[list[int]]) -> list[list[int]]:
-        sizes = [len(d) + 1 for d in drafts]
-        return self._broadcast(token_ids, sizes)
 
 
 def _draft_proposer(spec: SpeculativeConfig, config, model_config, sampler: Sampler, num_blocks: int):

@@ -53,6 +53,12 @@ class Request:
     # Draft tokens proposed for the next step (speculative decoding): scheduled after the last token,
     # verified by the model, and never part of output_token_ids unless accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Prefix caching: a tenant's salt (requests with different salts never share KV), the names of the
+    # full blocks so far (scheduling/block_hash.py), and the prompt tokens found cached when the request
+    # was first scheduled (-1 until then), vLLM's RequestOutput.num_cached_tokens.
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = -1
 
     def __post_init__(self) -> None:
         # Callers naturally pass lists or sets; the scheduler relies on a private, hashable copy.

@@ -9,6 +9,10 @@ is scheduled for 1 + k tokens, its last token then the drafts, all in one step; 
 as computed only the drafts the model accepted, so the KV slots of rejected ones are written again
 by the next step. `num_lookahead_tokens` reserves KV slots beyond a sampling chunk for a draft model,
 which writes its own KV for the drafts it proposes after the step, into the same block tables.
+
+Prefix caching makes a prefix hit one more: a new request starts with `num_computed_tokens` at its
+longest cached prefix, on the device (shared blocks) or in a KV connector's tiers (blocks loaded by
+the step's `kv_transfer` plan before its forward), and only the rest is scheduled.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import itertools
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
+from .kv_transfer import BlockCopy, KVConnectorScheduler, KVTransferPlan
 from .request import Request, RequestStatus
 
 POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -33,6 +39,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"
     num_lookahead_tokens: int = 0
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"  # "swap" needs a connector with a CPU tier (kv_tiers.py)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -45,6 +53,9 @@ class SchedulerConfig:
                              f"got {self.num_lookahead_tokens!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"SchedulerConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
 
 
 @dataclass
@@ -68,12 +79,29 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)
+    kv_transfer: KVTransferPlan | None = None  # block copies to run before the forward (kv_transfer.py)
+
+
+@dataclass
+class PrefixCacheStats:
+    """In tokens, since the scheduler started: prompt tokens looked up at admission, and those found
+    cached on the device or in a connector's tiers (vLLM's prefix_cache_queries / _hits)."""
+
+    queries: int = 0
+    hits: int = 0
+    device_hits: int = 0
+    external_hits: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, connector: KVConnectorScheduler | None = None):
         self.config = config
-        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size)
+        self.connector = connector
+        if config.preemption_mode == "swap" and not hasattr(connector, "swap_out"):
+            raise ValueError("preemption_mode='swap' needs a KV connector with a CPU tier to swap to")
+        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._admissions: dict[str, tuple[int, int, int]] = {}  # this step's (queried, device, external) tokens
         self._requests: dict[str, Request] = {}  # live requests only: waiting, preempted or running
         self._keys: dict[str, tuple] = {}  # service order: a smaller key is admitted first and preempted last
         self._waiting: list[tuple[tuple, Request]] = []  # a heap on the key
@@ -142,6 +170,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if self.connector is not None:
+            self.connector.request_finished(request, self.kv_cache.block_table(request.request_id))
         self.kv_cache.free(request)
         del self._requests[request.request_id]
         del self._keys[request.request_id]
@@ -195,6 +225,11 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        if self.connector is not None:
+            self.connector.blocks_evicted(self.kv_cache.block_pool.drain_evicted())
+            out.kv_transfer = self.connector.build_plan()
+        else:
+            self.kv_cache.block_pool.drain_evicted()
         return out
 
     def _allocate_or_preempt(
@@ -219,14 +254,15 @@ class Scheduler:
             if victim is request:
                 return None, refund, 0
 
-    def _allocate(self, request: Request, num_new: int, num_drafts: int = 0) -> tuple[list[int] | None, int]:
+    def _allocate(self, request: Request, num_new: int, num_drafts: int = 0,
+                  cached: list[int] = ()) -> tuple[list[int] | None, int]:
         """(block table or None, drafts kept) for num_new tokens, their drafts and a draft model's
         lookahead slots. Speculation gives way first: lookahead slots, then the drafts, are dropped
         before the caller preempts anyone for them (a step without drafts costs less than a recompute)."""
         full = num_new + num_drafts
         for num_slots, kept in dict.fromkeys([(full + self._lookahead(request, full), num_drafts), (full, num_drafts),
                                                (num_new, 0)]):
-            block_table = self.kv_cache.allocate_slots(request, num_slots)
+            block_table = self.kv_cache.allocate_slots(request, num_slots, cached)
             if block_table is not None:
                 return block_table, kept
         return None, 0
@@ -242,18 +278,26 @@ class Scheduler:
         return max(0, min(self.config.num_lookahead_tokens, cap - end))
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
-        """Preempt by recompute; returns the tokens the victim had been given in this step, if any."""
-        self._running.remove(victim)
-        self.kv_cache.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.spec_token_ids = []
+        """Preempt by recompute, or by swapping its KV out to the CPU tier; returns the tokens the victim
+        had been given in this step, if any."""
+        if self.config.preemption_mode == "swap" and victim.num_computed_tokens > 0:
+            table = self.kv_cache.block_table(victim.request_id)
+            self.connector.swap_out(victim, table[:self.kv_cache.num_blocks_for(victim.num_computed_tokens)])
         victim.num_preemptions += 1
-        # The key is kept, so under fcfs the victim returns ahead of everything that arrived after it.
-        heapq.heappush(self._waiting, (self._keys[victim.request_id], victim))
         out.preempted.append(victim.request_id)
+        return self._requeue(victim, out)
+
+    def _requeue(self, request: Request, out: SchedulerOutput) -> int:
+        """Free a running request's blocks and put it back in the waiting queue (its service key kept,
+        so under fcfs it returns ahead of everything that arrived after it)."""
+        self._running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        heapq.heappush(self._waiting, (self._keys[request.request_id], request))
         for i, scheduled in enumerate(out.scheduled):
-            if scheduled.request_id == victim.request_id:
+            if scheduled.request_id == request.request_id:
                 del out.scheduled[i]
                 return scheduled.num_new_tokens
         return 0
@@ -261,16 +305,62 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0][1]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_table, _ = self._allocate(request, num_new)
-            if block_table is None:
+            admitted = self._admit(request, budget)
+            if admitted is None:
                 break  # no later request may jump the head of the line, or it could starve
+            block_table, num_new = admitted
             heapq.heappop(self._waiting)
             request.status = RequestStatus.RUNNING
             bisect.insort(self._running, request, key=lambda r: self._keys[r.request_id])
             out.scheduled.append(self._scheduled(request, num_new, block_table))
             budget -= num_new
         return budget
+
+    def _admit(self, request: Request, budget: int) -> tuple[list[int], int] | None:
+        """(block table, tokens to compute) for a waiting request, starting after whatever of it is
+        already somewhere: swapped-out KV, or its longest cached prefix on the device or in the
+        connector's tiers. None (taking nothing) when the blocks are short."""
+        swapped = self.connector.swapped_tokens(request.request_id) if self.config.preemption_mode == "swap" else 0
+        cached, num_external, hashes = [], 0, []
+        if not swapped:
+            cached = self.kv_cache.cached_prefix(request)
+            if self.connector is not None:
+                hashes = self.kv_cache.block_hashes(request)[len(cached):self.kv_cache.max_cached_blocks(request)]
+                num_external = self.connector.num_matched_blocks(request, hashes)
+        found = swapped or (len(cached) + num_external) * self.config.block_size
+        request.num_computed_tokens = found
+        num_new = min(request.num_tokens - found, budget)
+        block_table, _ = self._allocate(request, num_new, cached=cached)
+        if block_table is None:
+            request.num_computed_tokens = 0
+            return None
+        if swapped:
+            self.connector.swap_in(request, block_table[:self.kv_cache.num_blocks_for(swapped)])
+        elif num_external:
+            self.connector.blocks_allocated(request, block_table[len(cached):len(cached) + num_external],
+                                            hashes[:num_external])
+        if not swapped:
+            self._admissions[request.request_id] = (request.num_tokens, len(cached) * self.config.block_size,
+                                                    num_external * self.config.block_size)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = found
+        return block_table, num_new
+
+    def transfers_failed(self, output: SchedulerOutput, failed: list[BlockCopy]) -> list[str]:
+        """The worker could not load these blocks: take every request that reads one out of the step
+        and back to the waiting queue, where it recomputes those tokens. Returns their ids."""
+        self.connector.transfers_failed(failed)
+        bad = {copy.block_id for copy in failed}
+        requeued = []
+        for scheduled in list(output.scheduled):
+            if bad.isdisjoint(scheduled.block_table):
+                continue
+            request = self._requests[scheduled.request_id]
+            self._admissions.pop(request.request_id, None)
+            request.num_cached_tokens = -1
+            output.num_batched_tokens -= self._requeue(request, output)
+            requeued.append(request.request_id)
+        return requeued
 
     @staticmethod
     def _scheduled(request: Request, num_new: int, block_table: list[int], num_drafts: int = 0) -> ScheduledRequest:
@@ -292,6 +382,7 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance the scheduled requests, append sampled tokens, run stop checks; returns the requests
         that finished (stopped or length) here."""
+        self._count_admissions()
         finished = []
         for scheduled in output.scheduled:
             request = self._requests.get(scheduled.request_id)
@@ -305,6 +396,7 @@ class Scheduler:
             request.spec_token_ids = []  # verified (or not scheduled) now; the next step gets new ones
             request.num_computed_tokens += scheduled.num_new_tokens - scheduled.num_draft_tokens
             if not scheduled.samples:
+                self._name_computed_blocks(request)
                 continue
             if scheduled.request_id not in sampled:
                 raise KeyError(f"request {scheduled.request_id!r} was scheduled to sample but has no sampled token")
@@ -315,11 +407,26 @@ class Scheduler:
             # Accepted drafts were computed in this step, at their final positions.
             request.num_computed_tokens += len(tokens) - 1
             status = self._append_and_check(request, tokens)
+            self._name_computed_blocks(request)
             if status is not None:
                 self._running.remove(request)
                 self._finish(request, status)
                 finished.append(request)
         return finished
+
+    def _name_computed_blocks(self, request: Request) -> None:
+        named = self.kv_cache.cache_computed_blocks(request)
+        if named and self.connector is not None:
+            self.connector.blocks_computed(request, named)
+
+    def _count_admissions(self) -> None:
+        stats = self.prefix_cache_stats
+        for queried, device, external in self._admissions.values():
+            stats.queries += queried
+            stats.device_hits += device
+            stats.external_hits += external
+            stats.hits += device + external
+        self._admissions.clear()
 
     def _append_and_check(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
         """Append tokens until one finishes the request; tokens after it (speculative extras) are dropped."""

@@ -183,6 +183,12 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def agree_any(self, flags: list[bool]) -> list[bool]:
+        """Per position, whether any rank's flag is set (a KV load that failed on one rank fails on all)."""
+        t = torch.tensor(flags, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(v) for v in t.tolist()]
+
     def broadcast_tokens(self, token_ids: list[int]) -> list[int]:
         """TP rank 0's sampled ids on every rank, so every rank's scheduler appends the same tokens."""
         if not token_ids:

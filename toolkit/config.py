@@ -84,6 +84,13 @@ class EngineConfig:
     cpp_wrapper: bool = field(default_factory=envs.cpp_wrapper)
     # vLLM's dict (speculative/config.py): {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: dict | str | object | None = None
+    # The KV memory hierarchy (toolkit/kv_hierarchy.py). Prefix caching shares computed blocks by name.
+    enable_prefix_caching: bool = True
+    kv_offloading_size: float | None = None  # GiB of host memory for a CPU tier of evicted blocks
+    kv_offloading_backend: str = "native"
+    kv_disk_cache_dir: str | None = None  # a directory for a disk tier that outlives the process
+    kv_disk_cache_size: float = 10.0  # GiB the disk tier may use
+    preemption_mode: str = "recompute"  # or "swap": a preempted request's KV goes to the CPU tier
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):
@@ -97,11 +104,25 @@ class EngineConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        self._check_kv_hierarchy()
         from speculative.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.cpu_linear not in envs.CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(envs.CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
+
+    def _check_kv_hierarchy(self) -> None:
+        for name in ("kv_offloading_size", "kv_disk_cache_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive number of GiB, got {value!r}")
+        if self.kv_offloading_backend != "native":
+            raise ValueError(f"kv_offloading_backend must be 'native' (the toolkit's CPU tier), "
+                             f"got {self.kv_offloading_backend!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.kv_offloading_size is None:
+            raise ValueError("preemption_mode='swap' swaps to the CPU tier: set kv_offloading_size (GiB) too")
 
     def resolve(self, model_config: "ModelConfig", device: torch.device) -> "EngineConfig":
         """A copy with the model-dependent choices made: a torch dtype, the device, max_model_len.

@@ -2,7 +2,8 @@
 
 The engine owns the glue between the rooms: requests come in with their sampling parameters,
 the scheduler decides which tokens run, the runner computes logits for the requests that sample,
-the sampler picks tokens, the scheduler appends them and checks stop tokens and lengths, and the
+the sampler picks tokens (after the step's KV transfers, when the memory hierarchy has tiers,
+have run), the scheduler appends them and checks stop tokens and lengths, and the
 detokenizer turns tokens into text and finds stop strings. Finished requests come out as
 `RequestOutput`s.
 """
@@ -20,6 +21,7 @@ from scheduling import Request, RequestStatus, Scheduler, SchedulerConfig, Sched
 from toolkit import backends
 from toolkit.config import EngineConfig, ModelConfig, check_sliding_window, load_model_config
 from toolkit.detokenizer import IncrementalDetokenizer
+from toolkit.kv_hierarchy import build_kv_hierarchy
 from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
@@ -60,6 +62,7 @@ class _Group:
     children: list[str] = field(default_factory=list)
     done: dict[int, CompletionOutput] = field(default_factory=dict)
     error: str | None = None
+    num_cached_tokens: int = 0  # the first sequence's
 
 
 class Engine:
@@ -86,6 +89,13 @@ class Engine:
         from speculative.speculator import Speculator  # here: speculative/ imports the toolkit's sampler
         # Speculative decoding (speculative/): drafts proposed after each step, verified in the next.
         self.speculator = None if spec is None else Speculator(spec, config, mc, self.sampler, kv.num_blocks, self.tp)
+        # CPU and disk tiers below the device cache (None when none is configured or none could be had).
+        self.kv_tiers = build_kv_hierarchy(config, mc, self.runner.kv_caches, kv.bytes_per_token * kv.block_size,
+                                           self.tp)
+        preemption = config.preemption_mode
+        if preemption == "swap" and (self.kv_tiers is None or not self.kv_tiers.connector.cpu_blocks):
+            log.warning("preemption_mode='swap' has no CPU tier to swap to; preempting by recompute")
+            preemption = "recompute"
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=kv.num_blocks,
@@ -95,7 +105,10 @@ class Engine:
                 max_model_len=self.max_model_len,
                 policy=config.scheduling_policy,
                 num_lookahead_tokens=self.speculator.num_lookahead_tokens if self.speculator else 0,
-            )
+                enable_prefix_caching=config.enable_prefix_caching,
+                preemption_mode=preemption,
+            ),
+            self.kv_tiers.connector if self.kv_tiers else None,
         )
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, _Group] = {}
@@ -106,6 +119,9 @@ class Engine:
         backend choices, and the scheduler's queues (what benchmarks and progress displays read)."""
         stats = {**self.runner.stats(), "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
                  "free_blocks": self.scheduler.num_free_blocks}
+        stats["prefix_cache"] = vars(self.scheduler.prefix_cache_stats).copy()
+        if self.kv_tiers is not None:
+            stats["kv_tiers"] = self.kv_tiers.stats()
         if self.speculator is not None:
             stats["spec_decode"] = self.speculator.stats.as_dict()
             draft = stats["draft_runner"] = self.speculator.runner_stats()
@@ -115,10 +131,16 @@ class Engine:
 
     def get_metrics(self) -> list:
         """vLLM's metric reader objects (toolkit/metrics.py), named toolkit:*."""
-        from toolkit.metrics import Gauge
+        from toolkit.metrics import Counter, Gauge
 
+        prefix = self.scheduler.prefix_cache_stats
         metrics = [Gauge("toolkit:num_requests_running", value=self.scheduler.num_running),
-                   Gauge("toolkit:num_requests_waiting", value=self.scheduler.num_waiting)]
+                   Gauge("toolkit:num_requests_waiting", value=self.scheduler.num_waiting),
+                   Counter("toolkit:prefix_cache_queries", value=prefix.queries),
+                   Counter("toolkit:prefix_cache_hits", value=prefix.hits),
+                   Counter("toolkit:prefix_cache_hits_tier", {"tier": "device"}, prefix.device_hits)]
+        if self.kv_tiers is not None:
+            metrics += self.kv_tiers.metrics()
         if self.speculator is not None:
             metrics += self.speculator.stats.metrics()
         return metrics
@@ -162,9 +184,12 @@ class Engine:
         prompt: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt of request {request_id!r} must be a string, got {type(cache_salt).__name__}")
         self.validate_prompt(prompt_token_ids, f"prompt of request {request_id!r}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt, list(prompt_token_ids), RequestMetrics(arrival_time=arrival))
@@ -183,6 +208,7 @@ class Engine:
                 stop_token_ids=stop_ids,
                 priority=priority,
                 arrival_time=arrival,
+                cache_salt=cache_salt,
             )
             group.children.append(child_id)
             self._tracked[child_id] = _Tracked(
@@ -214,6 +240,9 @@ class Engine:
         finished: list[RequestOutput] = []
         for req in plan.rejected:
             finished += self._finish_child(req)
+        requeued = self._transfer_kv(plan)
+        if not plan.scheduled and requeued:
+            return finished  # every scheduled request lost a load: they recompute from the next step
         if not plan.scheduled:
             if self.scheduler.has_unfinished() and not plan.rejected:
                 raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
@@ -233,6 +262,17 @@ class Engine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler, lambda rid: self._tracked[rid].params, self.max_model_len)
         return finished
+
+    def _transfer_kv(self, plan: SchedulerOutput) -> list[str]:
+        """Run the step's block copies (tiers, swaps); returns the requests taken out of the step
+        because a load failed (they go back to waiting and recompute)."""
+        if not plan.kv_transfer:
+            return []
+        failed = self.kv_tiers.transfer(plan.kv_transfer)
+        requeued = self.scheduler.transfers_failed(plan, failed) if failed else []
+        if self.speculator is not None and requeued:
+            self.speculator.forget(requeued)
+        return requeued
 
     def _run_model(self, plan: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list]]:
         """The tokens (and their logprob entries) each sampling request gets from this step: one, or
@@ -322,6 +362,8 @@ class Engine:
             stop_reason=req.stop_reason,
         )
         group.error = group.error or req.error
+        if tracked.index == 0:
+            group.num_cached_tokens = max(0, req.num_cached_tokens)
         if len(group.done) < len(group.children):
             return []
         del self._groups[group.request_id]
@@ -335,6 +377,7 @@ class Engine:
                 finished=True,
                 metrics=group.metrics,
                 error=group.error,
+                num_cached_tokens=group.num_cached_tokens,
             )
         ]
 

@@ -29,8 +29,9 @@ class LLM:
         return self.engine.tokenizer
 
     def get_metrics(self) -> list:
-        """vLLM's metric objects (`.name`, `.value` or `.values`), named toolkit:*: request gauges and,
-        with speculative decoding, toolkit:spec_decode_num_drafts, _num_draft_tokens,
+        """vLLM's metric objects (`.name`, `.value` or `.values`), named toolkit:*: request gauges, the
+        prefix cache's toolkit:prefix_cache_queries and _hits (tokens; _hits_tier per tier, labelled),
+        the KV tiers' toolkit:kv_transfer_bytes (labelled by direction) and, with speculative decoding, toolkit:spec_decode_num_drafts, _num_draft_tokens,
         _num_accepted_tokens and _num_accepted_tokens_per_pos (counted since the engine started)."""
         return self.engine.get_metrics()
 
@@ -63,7 +64,9 @@ class LLM:
         ids = []
         for i in mine:
             (text, token_ids), rid = encoded[i], str(first + i)
-            self.engine.add_request(rid, token_ids, params[i], prompt=text, priority=priority[i] if priority else 0)
+            salt = prompts[i].get("cache_salt") if isinstance(prompts[i], dict) else None
+            self.engine.add_request(rid, token_ids, params[i], prompt=text, priority=priority[i] if priority else 0,
+                                    cache_salt=salt)
             ids.append(rid)
         results = {out.request_id: out for out in self._run(len(ids), use_tqdm and is_main_process())}
         return gather_outputs(state, mine, [results[rid] for rid in ids], len(prompts))
@@ -94,6 +97,8 @@ class LLM:
         else:
             raise ValueError(f"prompt {index} must be a string or a dict with 'prompt' or 'prompt_token_ids'")
         self.engine.validate_prompt(token_ids, f"prompt {index}")
+        if isinstance(prompt, dict) and not isinstance(prompt.get("cache_salt", ""), str):
+            raise ValueError(f"prompt {index}: cache_salt must be a string")
         return text, token_ids
 
     @staticmethod

@@ -54,3 +54,4 @@ class RequestOutput:
     finished: bool = True
     metrics: RequestMetrics | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (any tier) when first scheduled

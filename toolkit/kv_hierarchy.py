@@ -1,0 +1,162 @@
+"""The KV memory hierarchy, assembled from the config: the CPU and disk tiers' bookkeeping (a
+`scheduling.kv_tiers.TieredKVConnector` the scheduler asks) and their byte mover (an
+`attention.kv_transfer.TieredKVWorker` the engine runs each step's transfers through).
+
+A tier that cannot be had (more host memory than is free, a directory that cannot be written, a
+disk without room) is left out with one warning; the run goes on with the tiers it has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attention import available_memory_bytes
+from attention.kv_transfer import TieredKVWorker, run_transfers
+from scheduling.kv_tiers import DiskResidency, TieredKVConnector
+from toolkit.metrics import Counter
+
+log = logging.getLogger("toolkit")
+
+GIB = 2**30
+FORMAT_VERSION = 1  # of the disk entries' layout; a change makes every older entry a miss
+
+
+@dataclass
+class KVHierarchy:
+    connector: TieredKVConnector
+    worker: TieredKVWorker
+    block_bytes: int  # one block's KV on this rank, all layers
+    tp: object | None = None
+
+    def transfer(self, plan) -> list:
+        """Run one step's plan; returns the loads that failed on any TP rank (all ranks drop them)."""
+        failed = run_transfers(self.worker, plan, len(self.worker.kv_caches))
+        if self.tp is not None and plan.loads:
+            bad = {id(c) for c in failed}
+            flags = self.tp.agree_any([id(c) in bad for c in plan.loads])
+            failed = [c for c, flag in zip(plan.loads, flags) if flag]
+        return failed
+
+    def metrics(self) -> list:
+        s = self.connector.tier_stats
+        out = [Counter("toolkit:prefix_cache_hits_tier", {"tier": tier}, n * self.block_tokens)
+               for tier, n in s.hit_blocks.items()]
+        out += [Counter("toolkit:kv_transfer_bytes", {"direction": d}, n * self.block_bytes)
+                for d, n in s.copied_blocks.items()]
+        return out + [Counter("toolkit:kv_transfer_failed_loads", value=s.failed_loads)]
+
+    @property
+    def block_tokens(self) -> int:
+        return self.connector.block_size
+
+    def stats(self) -> dict:
+        stats = self.connector.stats()
+        stats["bytes_moved"] = {d: n * self.block_bytes for d, n in stats["copied_blocks"].items()}
+        return stats
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def build_kv_hierarchy(config, model_config, kv_caches: list[torch.Tensor], block_bytes: int,
+                       tp=None) -> KVHierarchy | None:
+    """The tiers the config asks for and the machine allows, or None for none."""
+    cpu_blocks = _cpu_blocks(config, block_bytes)
+    disk_dir = _disk_dir(config, model_config, tp)
+    entry_bytes = block_bytes + 1024  # the header
+    disk_capacity = _disk_capacity(config, disk_dir, entry_bytes) if disk_dir else 0
+    if not disk_capacity:
+        disk_dir = None
+    if not cpu_blocks and disk_dir is None:
+        return None
+    fingerprint = Path(disk_dir).name if disk_dir else ""
+    worker = TieredKVWorker(kv_caches, cpu_blocks, disk_dir, fingerprint)
+    disk = DiskResidency(worker.disk_entries(), disk_capacity, entry_bytes) if disk_dir else None
+    connector = TieredKVConnector(config.block_size, cpu_blocks, disk)
+    log.info("KV tiers: CPU %d blocks (%.2f GiB); disk %s", cpu_blocks, cpu_blocks * block_bytes / GIB,
+             f"{disk_dir} ({disk_capacity / GIB:.2f} GiB, {len(disk)} entries found)" if disk else "off")
+    return KVHierarchy(connector, worker, block_bytes, tp)
+
+
+def _cpu_blocks(config, block_bytes: int) -> int:
+    if config.kv_offloading_size is None:
+        return 0
+    wanted = int(config.kv_offloading_size * GIB)
+    free = available_memory_bytes("cpu")
+    if wanted > free:
+        log.warning("KV CPU tier: kv_offloading_size %.2f GiB is more than the %.2f GiB of host memory free; "
+                    "running without the CPU tier", config.kv_offloading_size, free / GIB)
+        return 0
+    blocks = wanted // block_bytes
+    if blocks < 1:
+        log.warning("KV CPU tier: kv_offloading_size %.4f GiB holds no block of %d bytes; running without it",
+                    config.kv_offloading_size, block_bytes)
+    return blocks
+
+
+def _disk_dir(config, model_config, tp) -> str | None:
+    if config.kv_disk_cache_dir is None:
+        return None
+    path = Path(config.kv_disk_cache_dir).expanduser() / kv_fingerprint(config, model_config, tp)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe.{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        log.warning("KV disk tier: cannot write to %s (%s); running without the disk tier", path, e)
+        return None
+    return str(path)
+
+
+def _disk_capacity(config, disk_dir: str, entry_bytes: int) -> int:
+    wanted = int(config.kv_disk_cache_size * GIB)
+    # The tier's own entries count as room: they are what it evicts to make more.
+    free = shutil.disk_usage(disk_dir).free + sum(e.stat().st_size for e in os.scandir(disk_dir) if e.is_file())
+    if free < entry_bytes:
+        log.warning("KV disk tier: %s has no room for one block (%d bytes); running without the disk tier",
+                    disk_dir, entry_bytes)
+        return 0
+    if wanted > free:
+        log.warning("KV disk tier: kv_disk_cache_size %.2f GiB is more than the %.2f GiB free at %s; using %.2f GiB",
+                    config.kv_disk_cache_size, free / GIB, disk_dir, free * 0.9 / GIB)
+        return int(free * 0.9)
+    return wanted
+
+
+def kv_fingerprint(config, model_config, tp=None) -> str:
+    """Names whose KV a disk entry holds: the checkpoint (its config and a sample of its weight files'
+    bytes), the dtype, block size, KV layout and this rank's shard, so another model never reads it."""
+    h = hashlib.blake2b(digest_size=12)
+    model = Path(model_config.path)
+    h.update((model / "config.json").read_bytes())
+    if config.load_format == "dummy":
+        h.update(f"dummy weights, seed {config.seed}".encode())
+    else:
+        for file in sorted(model.glob("*.safetensors")):
+            h.update(_sample(file))
+    layout = {"format": FORMAT_VERSION, "dtype": str(config.dtype), "block_size": config.block_size,
+              "layers": model_config.num_layers, "kv_heads": tp.num_kv_heads_local if tp else model_config.num_kv_heads,
+              "head_dim": model_config.head_dim, "layout": "[2, block, kv_head, head_dim] per layer",
+              "tp": [tp.rank, tp.size] if tp else [0, 1]}
+    h.update(json.dumps(layout, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _sample(file: Path, span: int = 1 << 20) -> bytes:
+    """A weight file's name, size and first and last MiB: enough to tell two checkpoints apart
+    without reading gigabytes at every start."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(span)
+        f.seek(max(0, size - span))
+        tail = f.read(span)
+    return f"{file.name}:{size}:".encode() + hashlib.blake2b(head + tail).digest()

@@ -23,7 +23,7 @@ from cli.output_file import RecordWriter, Resume, merge_shards, resume_from, sha
 from cli.progress import Reporter
 from cli.records import NativeRecords
 from cli.resume_check import check_input_matches
-from cli.stats import RunStats, combine_spec, print_summary, summary_line
+from cli.stats import RunStats, combine_kv, combine_spec, kv_summary, print_summary, summary_line
 from toolkit.sampling_params import SamplingParams
 
 
@@ -115,6 +115,11 @@ def generate(
     cpu_linear: o.CpuLinearOpt = None,
     device: o.DeviceOpt = None,
     speculative_config: o.SpeculativeOpt = None,
+    enable_prefix_caching: o.PrefixCachingOpt = True,
+    kv_offloading_size: o.OffloadSizeOpt = None,
+    kv_disk_cache_dir: o.DiskDirOpt = None,
+    kv_disk_cache_size: o.DiskSizeOpt = 10.0,
+    preemption_mode: o.PreemptionOpt = o.PreemptionMode.recompute,
     tp: o.TensorParallelOpt = 1,
     dp: o.DataParallelOpt = 1,
 ):
@@ -136,6 +141,9 @@ def generate(
         attention_backend=attention_backend, device=device, tensor_parallel_size=tp, data_parallel_size=dp,
         cpu_linear=cpu_linear,
     )
+    engine.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
+                              kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
+                              preemption_mode=preemption_mode))
     ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")))
     try:
         if speculative_config is not None:
@@ -250,6 +258,7 @@ def run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, 
             raise CliError(f"{e} (--fail-fast: stopped; fix the line and rerun with the same --output to resume)",
                            code=EXIT_LINE_FAILED) from None
     stats.spec = engine.stats().get("spec_decode")
+    stats.kv = kv_summary(engine)
     if share is not None:
         from parallel import gather_replicas
 
@@ -293,6 +302,7 @@ def _combine(parts: list[RunStats]) -> RunStats:
         total.ttft.extend(other.ttft)
         total.tpot.extend(other.tpot)
         total.spec = combine_spec(total.spec, other.spec)
+        total.kv = combine_kv(total.kv, other.kv)
     return total
 
 

@@ -17,6 +17,7 @@ from cli.sizes import parse_size
 MODEL = "Model"
 SAMPLING = "Sampling (defaults; a JSONL or OpenAI line may override them)"
 ENGINE = "Engine"
+KV = "KV cache hierarchy"
 PARALLEL = "Parallel"
 IO = "Input and output"
 
@@ -32,6 +33,11 @@ class AttentionBackend(str, enum.Enum):
     cpu = "cpu"
     torch = "torch"
     triton = "triton"
+
+
+class PreemptionMode(str, enum.Enum):
+    recompute = "recompute"
+    swap = "swap"
 
 
 class CpuLinear(str, enum.Enum):
@@ -78,6 +84,34 @@ SpeculativeOpt = Annotated[Optional[str], typer.Option(
     help='Speculative decoding (vLLM\'s speculative_config as JSON), e.g. {"method": "ngram", '
          '"num_speculative_tokens": 4} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; '
          'the built-in model\'s shipped draft needs no "model". Output is unchanged. See the README.')]
+# --- the KV cache hierarchy (toolkit/kv_hierarchy.py) ---------------------------------------------
+
+PrefixCachingOpt = Annotated[bool, typer.Option(
+    "--enable-prefix-caching/--no-enable-prefix-caching", rich_help_panel=KV,
+    help="Share the KV of prompt prefixes already computed (system prompts, documents, earlier turns).")]
+OffloadSizeOpt = Annotated[Optional[float], typer.Option(
+    "--kv-offloading-size", metavar="GIB", rich_help_panel=KV, show_default=False,
+    help="Host memory (GiB) for a CPU tier that keeps cached blocks evicted from the device cache. Default: off.")]
+DiskDirOpt = Annotated[Optional[Path], typer.Option(
+    "--kv-disk-cache-dir", metavar="DIR", rich_help_panel=KV, show_default=False,
+    help="A disk tier under DIR: computed blocks are written through, so a rerun or a resumed job (even after "
+         "kill -9) reuses them. Entries are checksummed and keyed by the model; bad ones are recomputed.")]
+DiskSizeOpt = Annotated[float, typer.Option(
+    "--kv-disk-cache-size", metavar="GIB", rich_help_panel=KV,
+    help="The most the disk tier may use (GiB); least recently used entries go first.")]
+PreemptionOpt = Annotated[PreemptionMode, typer.Option(
+    rich_help_panel=KV, help="When the KV cache is full: recompute a preempted request, or swap its KV to the "
+                             "CPU tier (needs --kv-offloading-size).")]
+
+
+def kv_kwargs(*, enable_prefix_caching: bool, kv_offloading_size: float | None, kv_disk_cache_dir: Path | None,
+              kv_disk_cache_size: float, preemption_mode: PreemptionMode) -> dict:
+    """EngineConfig's KV-hierarchy fields from the options."""
+    return dict(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
+                kv_disk_cache_dir=str(kv_disk_cache_dir) if kv_disk_cache_dir else None,
+                kv_disk_cache_size=kv_disk_cache_size, preemption_mode=preemption_mode.value)
+
+
 DeviceOpt = Annotated[Optional[str], typer.Option(
     rich_help_panel=ENGINE, show_default=False, help="cuda, cuda:1, cpu, ... Default: cuda when available.")]
 

@@ -31,6 +31,7 @@ class RunStats:
         self.ttft = array("d")
         self.tpot = array("d")
         self.spec: dict | None = None  # the engine's speculative-decoding counters (Engine.stats()["spec_decode"])
+        self.kv: dict | None = None  # the prefix cache's and KV tiers' counters (kv_summary)
         self.start = time.monotonic()
 
     def add_output(self, out: RequestOutput) -> int:
@@ -71,6 +72,7 @@ class RunStats:
             "ttft_s": percentiles(self.ttft),
             "tpot_s": percentiles(self.tpot),
             "spec_decode": self.spec,
+            "kv_cache": self.kv,
         }
 
 
@@ -105,6 +107,10 @@ def print_summary(stats: RunStats, console: Console, output: str) -> None:
                                            f"{_per_position(spec)}%")
     elif spec is not None:
         table.add_row("speculation", "no drafts proposed")
+    if s["kv_cache"] is not None:
+        table.add_row("prefix cache", prefix_summary(s["kv_cache"]))
+        if s["kv_cache"]["bytes_moved"]:
+            table.add_row("KV moved", moved_summary(s["kv_cache"]))
     table.add_row("output", output)
     console.print(table)
 
@@ -116,6 +122,7 @@ def summary_line(stats: RunStats, output: str) -> str:
             f"{s['output_tokens']} output tokens in {s['elapsed_s']:.1f}s "
             f"({s['output_tokens_per_s']:.1f} tok/s)"
             + (f", speculation: {spec_summary(s['spec_decode'])}" if s["spec_decode"] is not None else "")
+            + (f", prefix cache: {prefix_summary(s['kv_cache'])}" if s["kv_cache"] is not None else "")
             + f" -> {output}")
 
 
@@ -147,3 +154,42 @@ def _ms(p: dict) -> str:
     if p["p50"] is None:
         return "-"
     return " / ".join(f"{p[k] * 1e3:.1f}" for k in ("p50", "p90", "p99")) + " ms"
+
+
+def kv_summary(engine) -> dict | None:
+    """The prefix cache's and tiers' counters from Engine.stats(), in tokens and bytes; None when
+    prefix caching is off and no tier is configured."""
+    stats = engine.stats()
+    prefix, tiers = stats["prefix_cache"], stats.get("kv_tiers")
+    if not engine.config.enable_prefix_caching and tiers is None:
+        return None
+    hits = {"device": prefix["device_hits"]}
+    block = engine.config.block_size
+    for tier, blocks in (tiers or {}).get("hit_blocks", {}).items():
+        hits[tier] = blocks * block
+    return {"queries": prefix["queries"], "hits": prefix["hits"], "hits_by_tier": hits,
+            "bytes_moved": dict((tiers or {}).get("bytes_moved", {})),
+            "failed_loads": (tiers or {}).get("failed_loads", 0)}
+
+
+def combine_kv(a: dict | None, b: dict | None) -> dict | None:
+    """Two replicas' KV counters as one."""
+    if a is None or b is None:
+        return a or b
+    def add(x: dict, y: dict) -> dict:
+        return {k: x.get(k, 0) + y.get(k, 0) for k in x.keys() | y.keys()}
+    return {"queries": a["queries"] + b["queries"], "hits": a["hits"] + b["hits"],
+            "hits_by_tier": add(a["hits_by_tier"], b["hits_by_tier"]),
+            "bytes_moved": add(a["bytes_moved"], b["bytes_moved"]), "failed_loads": a["failed_loads"] + b["failed_loads"]}
+
+
+def prefix_summary(kv: dict) -> str:
+    rate = 100 * kv["hits"] / kv["queries"] if kv["queries"] else 0.0
+    tiers = ", ".join(f"{tier} {n:,}" for tier, n in kv["hits_by_tier"].items() if n)
+    failed = f"; {kv['failed_loads']:,} block loads refused and recomputed" if kv["failed_loads"] else ""
+    return f"{kv['hits']:,} of {kv['queries']:,} prompt tokens cached ({rate:.1f}%)" + (f": {tiers}" if tiers else "") + failed
+
+
+def moved_summary(kv: dict) -> str:
+    moved = [(d.replace("_to_", " -> "), n) for d, n in kv["bytes_moved"].items() if n]
+    return ", ".join(f"{d} {n / 2**20:,.1f} MiB" for d, n in moved) or "nothing"

@@ -112,6 +112,16 @@ class BlockPool:
             if self._ref_counts[block_id] == 0:
                 self._free.move_to_end(block_id, last=False)
 
+    def reset(self) -> bool:
+        """Forget every name (nothing is cached any more); False, changing nothing, while blocks are in use."""
+        if any(self._ref_counts):
+            return False
+        self._hash_of.clear()
+        self._block_of.clear()
+        self._evicted.clear()
+        self._free = OrderedDict.fromkeys(range(self.num_blocks))
+        return True
+
     def drain_evicted(self) -> list[tuple[int, BlockHash]]:
         """(block id, its former name) for every cached block allocated since the last call."""
         evicted, self._evicted = self._evicted, []

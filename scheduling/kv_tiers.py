@@ -194,6 +194,13 @@ class TieredKVConnector(KVConnectorScheduler):
             elif copy.tier == "cpu" and self._cpu.get(copy.key) == copy.slot:
                 self._free_slots.append(self._cpu.pop(copy.key))
 
+    def reset(self) -> None:
+        """Forget the CPU tier's cached blocks (swapped-out requests keep theirs; the disk tier is kept:
+        outliving the process is its point)."""
+        swapped = {slot for slots, _ in self._swapped.values() for slot in slots}
+        self._cpu.clear()
+        self._free_slots = [s for s in range(self.cpu_blocks - 1, -1, -1) if s not in swapped]
+
     def stats(self) -> dict:
         s = self.tier_stats
         return {"cpu_blocks": self.cpu_blocks, "cpu_entries": len(self._cpu), "disk_entries": len(self.disk or ()),

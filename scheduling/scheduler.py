@@ -184,6 +184,15 @@ class Scheduler:
         """Running requests whose next step is a decode (one token to feed): the ones drafts are for."""
         return [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block on the device and in the CPU tier (benchmarks, tests); False,
+        changing nothing, while requests hold blocks."""
+        if self._requests or not self.kv_cache.block_pool.reset():
+            return False
+        if hasattr(self.connector, "reset"):
+            self.connector.reset()
+        return True
+
     def get_request(self, request_id: str) -> Request:
         """A live (waiting, preempted or running) request; finished ones have left the scheduler."""
         return self._requests[request_id]

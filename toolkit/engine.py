@@ -145,6 +145,10 @@ class Engine:
             metrics += self.speculator.stats.metrics()
         return metrics
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget the prefix cache (device and CPU tier; the disk tier is kept). False while requests run."""
+        return self.scheduler.reset_prefix_cache()
+
     def request_output_len(self, request_id: str) -> int:
         """Tokens generated so far by a running sequence (the scheduler's count)."""
         return len(self.scheduler.get_request(request_id).output_token_ids)

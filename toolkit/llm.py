@@ -35,6 +35,10 @@ class LLM:
         _num_accepted_tokens and _num_accepted_tokens_per_pos (counted since the engine started)."""
         return self.engine.get_metrics()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (device and CPU tier; a disk tier is kept); False while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cli.bench.metrics import combine_throughput, decode_metrics, latency_metrics, spec_delta
+from cli.bench.metrics import combine_throughput, decode_metrics, kv_delta, latency_metrics, spec_delta
 from cli.bench.model import SHAPES, resolve_model
 from cli.bench.report import build_rows, render_table, report_json
 from cli.bench.roofline import (
@@ -29,7 +29,14 @@ from cli.bench.roofline import (
     workload_flops,
 )
 from cli.bench.systems import BenchError, HFSystem, OursSystem, VLLMSystem, python_of
-from cli.bench.workload import BenchRequest, load_dataset, random_workload, workload_summary
+from cli.bench.workload import (
+    BenchRequest,
+    load_dataset,
+    multi_turn_workload,
+    prefix_repetition_workload,
+    random_workload,
+    workload_summary,
+)
 
 bench_app = typer.Typer(
     help="Benchmark the engine (throughput, latency) against transformers and vLLM in the same run.",
@@ -80,6 +87,22 @@ SpecOpt = Annotated[Optional[str], typer.Option(
     help="Also run our engine with this speculative_config (vLLM's dict as JSON), beside the plain run, and vLLM "
     "with it too: acceptance rate, mean acceptance length and per-position acceptance are reported, the ratio "
     "to the plain run is a column, and the outputs are checked to be the plain run's tokens.")]
+WorkloadOpt = Annotated[str, typer.Option(
+    "--workload", help="random (--input-len/--output-len), prefix-repetition (--prefix-repetition, --num-requests) "
+    "or multi-turn (--multi-turn); --dataset overrides it.")]
+PrefixRepOpt = Annotated[tuple[int, int, int, int], typer.Option(
+    "--prefix-repetition", metavar="PREFIXES PREFIX_LEN SUFFIX_LEN OUTPUT_LEN",
+    help="--workload prefix-repetition (vLLM's shape): shared random prefixes, each request with its own suffix.")]
+MultiTurnOpt = Annotated[tuple[int, int, int, int], typer.Option(
+    "--multi-turn", metavar="CONVERSATIONS TURNS USER_LEN REPLY_LEN",
+    help="--workload multi-turn: each turn's prompt is its conversation so far plus a new message, turn after "
+    "turn across the conversations. Without --kv-cache-gib the device KV cache is a third of the working set.")]
+VariantOpt = Annotated[Optional[list[str]], typer.Option(
+    "--variant", metavar="JSON",
+    help='Also run our engine with these EngineConfig fields beside the first run, e.g. \'{"enable_prefix_caching": '
+    'false}\' or \'{"kv_offloading_size": 2}\'; the ratio to the first run is a column. Repeatable.')]
+VLLMPrefixOpt = Annotated[bool, typer.Option(
+    "--vllm-prefix-caching/--no-vllm-prefix-caching", help="vLLM's enable_prefix_caching.")]
 BracketOpt = Annotated[bool, typer.Option(
     "--bracket/--no-bracket",
     help="With a peer: time our engine again after the peers (same engine, no second start-up) and report "
@@ -108,6 +131,11 @@ def throughput(
     decode_tokens: DecodeOpt = 128,
     threads: ThreadsOpt = None,
     speculative_config: SpecOpt = None,
+    workload: WorkloadOpt = "random",
+    prefix_repetition: PrefixRepOpt = (4, 1024, 64, 32),
+    multi_turn: MultiTurnOpt = (16, 4, 128, 32),
+    variant: VariantOpt = None,
+    vllm_prefix_caching: VLLMPrefixOpt = True,
     json_path: JsonOpt = None,
     profile: Annotated[Optional[Path], typer.Option(
         "--profile", dir_okay=False,
@@ -146,6 +174,11 @@ def latency(
     decode_tokens: DecodeOpt = 128,
     threads: ThreadsOpt = None,
     speculative_config: SpecOpt = None,
+    workload: WorkloadOpt = "random",
+    prefix_repetition: PrefixRepOpt = (4, 1024, 64, 32),
+    multi_turn: MultiTurnOpt = (16, 4, 128, 32),
+    variant: VariantOpt = None,
+    vllm_prefix_caching: VLLMPrefixOpt = True,
     json_path: JsonOpt = None,
     peak_matmul_size: PeakOpt = 2048,
     bandwidth_mib: BandwidthOpt = 512,
@@ -178,6 +211,9 @@ def _run(command: str, o: dict) -> None:
         _fail("--input-len and --output-len take MIN MAX with 1 <= MIN <= MAX")
     if o["threads"]:
         torch.set_num_threads(o["threads"])
+    variants = _variants(o["variant"])
+    if o["workload"] not in WORKLOADS:
+        _fail(f"unknown --workload {o['workload']}; choose from {', '.join(WORKLOADS)}")
     spec = None
     if o["speculative_config"] is not None:
         from cli.options import parse_speculative_config
@@ -213,6 +249,11 @@ def _run(command: str, o: dict) -> None:
     bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype_bytes(dtype)
     if o["kv_cache_gib"] is not None:
         kv_bytes = int(o["kv_cache_gib"] * 2**30)
+    elif o["workload"] == "multi-turn" and o["dataset"] is None:
+        # The point of the workload: a working set 3x the device cache (the tiers hold the rest).
+        need = max(math.ceil((r.prompt_len + r.output_len) / BLOCK) for r in requests)
+        blocks = max(math.ceil(workload_summary(requests)["distinct_prompt_tokens"] / 3 / BLOCK), 2 * need)
+        kv_bytes = blocks * BLOCK * bytes_per_token
     else:  # every request resident at once (no preemption), at most vLLM's 4 GiB
         # With speculation, room for 1 + k tokens a step and a draft model's k lookahead slots too.
         extra = 2 * spec.k if spec is not None else 0
@@ -253,18 +294,20 @@ def _run(command: str, o: dict) -> None:
             return out
 
         try:
-            for mode, variant in [(m, v) for m in ours_modes for v in ([None, spec] if spec else [None])]:
+            runs = [(m, v, None) for m in ours_modes for v in ([None, spec] if spec else [None])]
+            runs += [(m, None, args) for m in ours_modes for args in variants]
+            for mode, variant, engine_args in runs:
                 system = OursSystem(model_path, load_format=load_format, dtype=dtype_name, eager=mode == "eager",
                                     max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes,
                                     max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
-                                    speculative_config=variant)
+                                    speculative_config=variant, engine_args=engine_args)
                 res = {"kind": "ours", "startup": startup(system.label, lambda: system.start(warm))}
-                with _spec_counted(system, res, command):
+                with _counted(system, res, command):
                     first_raw[system.label] = _run_mode(command, system, requests, concurrency, phase, res)
                 if decode_req:
-                    with _spec_counted(system, res, "decode"):
+                    with _counted(system, res, "decode"):
                         res["decode_timing"], res["decode_bandwidth"] = _beside(probe, lambda: system.decode(decode_req, phase))
-                if variant is not None:
+                if variant is not None or engine_args is not None:
                     plain_label, plain_tokens = plain_runs[mode]
                     res["tokens_identical_to_plain"] = system.tokens == plain_tokens
                     pairs.append((system.label, plain_label))
@@ -295,7 +338,7 @@ def _run(command: str, o: dict) -> None:
                 system = VLLMSystem(model_path, python=python_of(o["peer_python"]), dtype=dtype_name,
                                     eager=o["vllm_eager"], max_model_len=max_model_len,
                                     max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
-                                    speculative_config=_vllm_spec(spec))
+                                    speculative_config=_vllm_spec(spec), enable_prefix_caching=o["vllm_prefix_caching"])
                 raw = system.run(mode=command, requests=requests, warm=warm, concurrency=concurrency,
                                  decode=decode_req, phase=phase, probe=probe)
                 res = {"kind": "peer", "startup": raw["startup"], "version": raw.get("version")}
@@ -310,16 +353,18 @@ def _run(command: str, o: dict) -> None:
                 label = f"vLLM {raw.get('version', '')}".strip() + (f" ({spec.method} k={spec.k})" if spec else "")
                 if raw.get("spec_decode"):
                     res["spec_decode"] = {command: raw["spec_decode"]}
+                if raw.get("kv_cache"):
+                    res["kv_cache"] = {command: kv_delta(raw["kv_cache"], {})}
                 results[label] = res
                 _say(bar, label, res, partial, results)
                 peer_labels.append(label)
             for system in reversed(kept):  # mirror order: the last to run before the peers runs first after
                 again = {}
                 after = lambda description, total: phase(f"{description} (after the peers)", total)  # noqa: E731
-                with _spec_counted(system, results[system.label], command):
+                with _counted(system, results[system.label], command):
                     raw = _run_mode(command, system, requests, concurrency, after, again)
                 if decode_req:
-                    with _spec_counted(system, results[system.label], "decode"):
+                    with _counted(system, results[system.label], "decode"):
                         again["decode_timing"], again["decode_bandwidth"] = _beside(probe, lambda: system.decode(decode_req, after))
                 _merge_rounds(command, results[system.label], again, concurrency, (first_raw[system.label], raw))
                 _say(bar, f"{system.label}, both runs", results[system.label], partial, results)
@@ -355,12 +400,15 @@ def _run(command: str, o: dict) -> None:
                   "dtype": dtype_name, "num_parameters": mc.num_parameters,
                   "layer_linear_parameters": layer_linear_params(mc)}
     workload = workload_summary(requests) | {
-        "source": str(o["dataset"]) if o["dataset"] else "random", "seed": o["seed"],
+        "source": str(o["dataset"]) if o["dataset"] else o["workload"], "seed": o["seed"],
+        "prefix_repetition": list(o["prefix_repetition"]) if o["workload"] == "prefix-repetition" else None,
+        "multi_turn": list(o["multi_turn"]) if o["workload"] == "multi-turn" else None,
         "input_len_range": list(o["input_len"]), "output_len_range": list(o["output_len"]), "greedy": True, "ignore_eos": True}
     settings = {"max_model_len": max_model_len, "kv_cache_bytes_ours": kv_bytes, "max_num_seqs": o["max_num_seqs"],
                 "max_num_batched_tokens": o["max_num_batched_tokens"], "hf_batch_size": o.get("hf_batch_size"),
                 "concurrency": concurrency or None, "decode_tokens": o["decode_tokens"], "vllm_eager": o["vllm_eager"],
-                "bracket": bracket, "speculative_config": spec and spec.__dict__}
+                "bracket": bracket, "speculative_config": spec and spec.__dict__, "variants": variants,
+                "vllm_prefix_caching": o["vllm_prefix_caching"]}
     roofline = {"matmul": peak, "matmul_other_dtype": other_peak, "compute_peak": roof, "bandwidth": bandwidth,
                 "flops_formula": "per request (P prompt, O output, T=P+O-1 tokens fed): 2*T*P_layers "
                                  "+ 4*L*Hq*D*T(T+1)/2 + 2*O*V*H",
@@ -397,22 +445,51 @@ def _run(command: str, o: dict) -> None:
         Path(o["json_path"]).write_text(json.dumps(doc, indent=2, default=str) + "\n")
 
 
-class _spec_counted:
-    """Adds the speculative-decoding counters of the runs inside it to res["spec_decode"][run]."""
+class _counted:
+    """Adds the speculative-decoding and KV-cache counters of the runs inside it to
+    res["spec_decode"][run] and res["kv_cache"][run] (two runs of one system add up)."""
 
     def __init__(self, system, res: dict, run: str):
         self.system, self.res, self.run = system, res, run
 
     def __enter__(self):
-        self.before = self.system.spec_counters() if isinstance(self.system, OursSystem) else None
+        self.before = self.system.spec_counters(), self.system.kv_counters()
 
     def __exit__(self, *exc):
-        if self.before is None or exc[0] is not None:
+        if exc[0] is not None:
             return
-        after = self.system.spec_counters()
-        total = self.res.setdefault("spec_decode", {}).get(self.run)
-        delta = spec_delta(after, self.before)
-        self.res["spec_decode"][self.run] = delta if total is None else spec_delta(delta, total, sign=-1)
+        for key, after, before, delta in (("spec_decode", self.system.spec_counters(), self.before[0], spec_delta),
+                                          ("kv_cache", self.system.kv_counters(), self.before[1], kv_delta)):
+            if before is None:
+                continue
+            total = self.res.setdefault(key, {}).get(self.run)
+            d = delta(after, before)
+            self.res[key][self.run] = d if total is None else delta(d, total, sign=-1)
+
+
+WORKLOADS = ("random", "prefix-repetition", "multi-turn")
+
+
+def _variants(texts: list[str] | None) -> list[dict]:
+    """--variant JSON objects of EngineConfig fields, checked before anything loads."""
+    from dataclasses import fields
+
+    from toolkit.config import EngineConfig
+
+    names = {f.name for f in fields(EngineConfig)} - {"model"}
+    out = []
+    for text in texts or []:
+        try:
+            args = json.loads(text)
+        except json.JSONDecodeError as e:
+            _fail(f"--variant {text!r} is not JSON: {e.msg}")
+        if not isinstance(args, dict) or not args:
+            _fail(f"--variant {text!r} must be a non-empty JSON object of EngineConfig fields")
+        unknown = sorted(set(args) - names)
+        if unknown:
+            _fail(f"--variant: unknown EngineConfig field(s) {', '.join(unknown)}")
+        out.append(args)
+    return out
 
 
 def _vllm_spec(spec) -> dict | None:
@@ -511,6 +588,10 @@ def _get(d, *path):
 
 
 def _workload(o: dict, model_path: Path, mc) -> list[BenchRequest]:
+    if o["dataset"] is None and o["workload"] == "prefix-repetition":
+        return prefix_repetition_workload(*o["prefix_repetition"], o["num_requests"], mc.vocab_size, o["seed"])
+    if o["dataset"] is None and o["workload"] == "multi-turn":
+        return multi_turn_workload(*o["multi_turn"], mc.vocab_size, o["seed"])
     if o["dataset"] is None:
         return random_workload(o["num_requests"], tuple(o["input_len"]), tuple(o["output_len"]), mc.vocab_size, o["seed"])
     tokenize = None

@@ -162,3 +162,20 @@ def spec_delta(after: dict, before: dict, sign: int = 1) -> dict:
             "acceptance_rate_pct": 100 * counts["num_accepted_tokens"] / tokens if tokens else None,
             "mean_acceptance_length": 1 + counts["num_accepted_tokens"] / drafts if drafts else None,
             "acceptance_per_pos_pct": [100 * n / drafts for n in per_pos] if drafts else None}
+
+
+KV_COUNTERS = ("queries", "hits", "device_hits", "cpu_hits", "disk_hits", "device_to_cpu_bytes", "cpu_to_device_bytes",
+               "device_to_disk_bytes", "disk_to_device_bytes")
+
+
+def kv_delta(after: dict, before: dict, sign: int = 1) -> dict:
+    """Prefix-cache and tier counters of one run (`after - before`; sign=-1 adds two runs), with the hit
+    rate and each tier's share of the queried tokens (%) and the bytes moved (MiB) derived."""
+    counts = {k: after.get(k, 0) - sign * before.get(k, 0) for k in KV_COUNTERS}
+    q = counts["queries"]
+    out = dict(counts, hit_rate_pct=100 * counts["hits"] / q if q else None)
+    for tier in ("device", "cpu", "disk"):
+        out[f"{tier}_hit_pct"] = 100 * counts[f"{tier}_hits"] / q if q else None
+    for direction in ("device_to_cpu", "cpu_to_device", "device_to_disk", "disk_to_device"):
+        out[f"{direction}_mib"] = counts[f"{direction}_bytes"] / 2**20
+    return out

@@ -52,6 +52,19 @@ SPEC_ROWS = [
     for name, unit, field in (("acceptance rate", "%", "acceptance_rate_pct"),
                               ("mean acceptance length", "tok/step", "mean_acceptance_length"))
 ]
+KV_ROWS = [
+    ("KV cache", name, unit, better, ("kv_cache", None, key))
+    for name, unit, better, key in (
+        ("prefix cache hit rate (of prompt tokens)", "%", HIGHER, "hit_rate_pct"),
+        ("hits on the device", "%", HIGHER, "device_hit_pct"),
+        ("hits from the CPU tier", "%", HIGHER, "cpu_hit_pct"),
+        ("hits from the disk tier", "%", HIGHER, "disk_hit_pct"),
+        ("moved device -> CPU", "MiB", LOWER, "device_to_cpu_mib"),
+        ("moved CPU -> device", "MiB", LOWER, "cpu_to_device_mib"),
+        ("moved device -> disk", "MiB", LOWER, "device_to_disk_mib"),
+        ("moved disk -> device", "MiB", LOWER, "disk_to_device_mib"),
+    )
+]
 COMMON_ROWS = [
     ("start-up", "start-up (construct + warm-up)", "s", LOWER, ("startup", "total_s")),
     ("start-up", "load", "s", LOWER, ("startup", "load_s")),
@@ -74,12 +87,12 @@ def build_rows(command: str, systems: dict[str, dict], ours: list[str], peers: l
                pairs: list[tuple[str, str]] = ()) -> list[Row]:
     """Rows for every figure at least one system has; ratios of each of ours to each peer, and of each
     (a, b) in `pairs` (a speculative run to its plain run)."""
-    spec_rows = [(s, m, u, b, path if path[1] else (path[0], command, path[2])) for s, m, u, b, path in SPEC_ROWS]
-    specs = (THROUGHPUT_ROWS if command == "throughput" else LATENCY_ROWS) + spec_rows + COMMON_ROWS
+    per_run = [(s, m, u, b, path if path[1] else (path[0], command, path[2])) for s, m, u, b, path in SPEC_ROWS + KV_ROWS]
+    specs = (THROUGHPUT_ROWS if command == "throughput" else LATENCY_ROWS) + per_run + COMMON_ROWS
     rows = []
     for section, metric, unit, better, path in specs:
         values = {label: _get(systems[label], *path) for label in systems}
-        if all(v is None for v in values.values()):
+        if all(v is None for v in values.values()) or (section == "KV cache" and not any(values.values())):
             continue
         ratios = {}
         for a, b in [(o, p) for p in peers for o in ours] + list(pairs):

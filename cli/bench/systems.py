@@ -55,14 +55,16 @@ class OursSystem:
 
     def __init__(self, model: Path, *, load_format: str, dtype: str, eager: bool, max_model_len: int,
                  kv_cache_memory_bytes: int | None, max_num_seqs: int, max_num_batched_tokens: int,
-                 speculative_config=None):
+                 speculative_config=None, engine_args: dict | None = None):
+        """`engine_args`: more EngineConfig fields (a --variant), named in the label."""
         self.kwargs = dict(dtype=dtype, enforce_eager=eager, skip_tokenizer_init=True, load_format=load_format,
                            seed=0, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           speculative_config=speculative_config)
+                           speculative_config=speculative_config, **(engine_args or {}))
         self.model = model
         self.eager = eager
         self.spec = speculative_config
+        self.engine_args = dict(engine_args or {})
         self.llm = None
         self._ids = 0
         self.tokens: dict[str, list[list[int]]] = {}  # per run ("throughput", "latency", "decode"): outputs in order
@@ -72,11 +74,26 @@ class OursSystem:
         mode = "eager" if self.eager else "compiled"
         if self.spec is not None:
             mode += f", {self.spec.method} k={self.spec.k}"
+        mode += "".join(f", {k}={v}" for k, v in self.engine_args.items())
         return f"toolkit ({mode})"
 
     def spec_counters(self) -> dict | None:
         """The engine's speculative-decoding counters so far (None without speculation)."""
         return dict(self.llm.engine.stats()["spec_decode"]) if self.spec is not None else None
+
+    def kv_counters(self) -> dict:
+        """The prefix cache's and tiers' counters so far (cli/bench/metrics.py KV_COUNTERS)."""
+        stats = self.llm.engine.stats()
+        prefix, tiers = stats["prefix_cache"], stats.get("kv_tiers") or {}
+        block = self.llm.engine.config.block_size
+        hits = tiers.get("hit_blocks", {})
+        moved = {f"{d}_bytes": n for d, n in tiers.get("bytes_moved", {}).items()}
+        return {"queries": prefix["queries"], "hits": prefix["hits"], "device_hits": prefix["device_hits"],
+                "cpu_hits": hits.get("cpu", 0) * block, "disk_hits": hits.get("disk", 0) * block, **moved}
+
+    def _fresh(self) -> None:
+        # Each timed run starts without what the warm-up or an earlier run left cached (as vLLM's does).
+        self.llm.reset_prefix_cache()
 
     def start(self, warm: BenchRequest) -> dict:
         from toolkit import LLM
@@ -126,6 +143,7 @@ class OursSystem:
 
     def throughput(self, requests: list[BenchRequest], phase: Phase) -> dict:
         advance = phase(f"{self.label}: throughput", len(requests))
+        self._fresh()
         compile_before = self.llm.engine.stats()["compile_s"]
         start = time.perf_counter()
         tokens = self._drain(self._add(requests), advance, record="throughput")
@@ -139,6 +157,7 @@ class OursSystem:
                 description: str = "latency") -> tuple[list[RequestTiming], float]:
         """Keep at most `concurrency` requests in flight, adding the next one as soon as one finishes."""
         engine = self.llm.engine
+        self._fresh()
         advance = phase(f"{self.label}: {description}", len(requests))
         queue = deque(requests)
         inflight: dict[str, tuple[RequestTiming, BenchRequest]] = {}
@@ -337,12 +356,13 @@ class VLLMSystem:
     label = "vLLM"
 
     def __init__(self, model: Path, *, python: Path, dtype: str, eager: bool, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, speculative_config: dict | None = None):
+                 max_num_seqs: int, max_num_batched_tokens: int, speculative_config: dict | None = None,
+                 enable_prefix_caching: bool = True):
         self.python = Path(python)
         # Absolute: the worker runs in a temporary directory.
         self.config = dict(model=str(Path(model).resolve()), dtype=dtype, enforce_eager=eager, max_model_len=max_model_len,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           speculative_config=speculative_config)
+                           speculative_config=speculative_config, enable_prefix_caching=enable_prefix_caching)
 
     def run(self, *, mode: str, requests: list[BenchRequest], warm: BenchRequest, concurrency: int,
             decode: BenchRequest | None, phase: Phase, timeout_s: float | None = None,

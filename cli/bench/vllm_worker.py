@@ -60,6 +60,7 @@ def main(spec_path: str) -> None:
     llm = LLM(model=spec["model"], dtype=spec["dtype"], skip_tokenizer_init=True, seed=0,
               max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"],
               max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+              enable_prefix_caching=spec.get("enable_prefix_caching", True),
               **({"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}))
     constructed = time.perf_counter() - start
     generate_all([spec["warm"]])
@@ -114,6 +115,9 @@ def main(spec_path: str) -> None:
         return timings, time.monotonic() - begin
 
     reqs = spec["requests"]
+    # Each timed run starts without what the warm-up left cached, as ours does.
+    llm.reset_prefix_cache()
+    before = prefix_counters(llm)
     if spec["mode"] == "throughput":
         emit(event="phase", name="throughput (LLM.generate)", total=1)
         start = time.perf_counter()
@@ -129,7 +133,11 @@ def main(spec_path: str) -> None:
     else:
         timings, duration = stepped(reqs, spec["concurrency"], "latency")
         result["latency"] = {"timings": timings, "duration_s": duration}
+    after = prefix_counters(llm)
+    if after is not None and before is not None:
+        result["kv_cache"] = {k: after[k] - before[k] for k in after}
     if spec.get("decode"):
+        llm.reset_prefix_cache()
         wait_for_probe(spec)
         timings, _ = stepped([spec["decode"]], 1, "batch-1 decode")
         wait_for_probe(spec)
@@ -137,6 +145,18 @@ def main(spec_path: str) -> None:
     if spec.get("speculative_config"):
         result["spec_decode"] = spec_metrics(llm)
     emit(event="result", result=result)
+
+
+def prefix_counters(llm) -> dict | None:
+    """vLLM's prefix-cache counters so far (tokens), in our report's names."""
+    try:
+        metrics = {m.name: m for m in llm.get_metrics()}
+    except Exception:  # noqa: BLE001 - an older vLLM, or metrics disabled
+        return None
+    queries, hits = metrics.get("vllm:prefix_cache_queries"), metrics.get("vllm:prefix_cache_hits")
+    if queries is None or hits is None:
+        return None
+    return {"queries": queries.value, "hits": hits.value, "device_hits": hits.value}
 
 
 def spec_metrics(llm) -> dict | None:

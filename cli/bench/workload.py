@@ -51,6 +51,56 @@ def random_workload(
     ]
 
 
+def prefix_repetition_workload(num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int,
+                               num_requests: int, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """vLLM's prefix_repetition shape: num_prefixes random prefixes shared evenly by the requests, each
+    with its own random suffix, in a shuffled order."""
+    for name, value in (("num_prefixes", num_prefixes), ("prefix_len", prefix_len), ("suffix_len", suffix_len),
+                        ("output_len", output_len), ("num_requests", num_requests)):
+        if value < (0 if name == "suffix_len" else 1):
+            raise ValueError(f"prefix repetition: {name} must be >= 1, got {value}")
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(FIRST_RANDOM_ID, vocab_size, prefix_len).tolist() for _ in range(num_prefixes)]
+    requests = [BenchRequest(prefixes[i % num_prefixes] + rng.integers(FIRST_RANDOM_ID, vocab_size, suffix_len).tolist(),
+                             output_len) for i in range(num_requests)]
+    return [requests[i] for i in rng.permutation(num_requests)]
+
+
+def multi_turn_workload(conversations: int, turns: int, user_len: int, reply_len: int, vocab_size: int,
+                        seed: int = 0) -> list[BenchRequest]:
+    """Conversations of `turns` turns: turn t's prompt is the conversation so far (user messages and
+    replies, random tokens fixed by the seed: the replies are not the ones generated) plus a new user
+    message, and asks for a reply_len-token reply. Turn-major order: every conversation's turn 1,
+    then every turn 2, ..., so a conversation's earlier KV must survive the others' in between."""
+    for name, value in (("conversations", conversations), ("turns", turns), ("user_len", user_len),
+                        ("reply_len", reply_len)):
+        if value < 1:
+            raise ValueError(f"multi-turn: {name} must be >= 1, got {value}")
+    rng = np.random.default_rng(seed)
+    history = [[] for _ in range(conversations)]
+    requests = []
+    for _turn in range(turns):
+        for c in range(conversations):
+            history[c] = history[c] + rng.integers(FIRST_RANDOM_ID, vocab_size, user_len).tolist()
+            requests.append(BenchRequest(list(history[c]), reply_len))
+            history[c] = history[c] + rng.integers(FIRST_RANDOM_ID, vocab_size, reply_len).tolist()
+    return requests
+
+
+def working_set_tokens(requests: list[BenchRequest]) -> int:
+    """Distinct prompt tokens, counted as a trie of the prompts: the KV a perfect prefix cache keeps."""
+    trie: dict = {}
+    count = 0
+    for r in requests:
+        node = trie
+        for t in r.prompt_token_ids:
+            if t not in node:
+                node[t] = {}
+                count += 1
+            node = node[t]
+    return count
+
+
 def load_dataset(
     path: Path,
     tokenize: Callable[[str], list[int]] | None,
@@ -98,6 +148,7 @@ def workload_summary(requests: list[BenchRequest]) -> dict:
         "output_tokens": sum(o),
         "prompt_len": {"min": min(p), "mean": sum(p) / len(p), "max": max(p)},
         "output_len": {"min": min(o), "mean": sum(o) / len(o), "max": max(o)},
+        "distinct_prompt_tokens": working_set_tokens(requests),
     }
 
 

@@ -24,7 +24,16 @@ from cli.bench.model import shape_config_only
 from cli.bench.report import HIGHER, LOWER, build_rows, render_table, report_json
 from cli.bench.roofline import bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, layer_linear_params, request_flops
 from cli.bench.systems import BenchError, VLLMSystem, python_of
-from cli.bench.workload import BenchRequest, hf_batches, load_dataset, random_workload, workload_summary
+from cli.bench.workload import (
+    BenchRequest,
+    hf_batches,
+    load_dataset,
+    multi_turn_workload,
+    prefix_repetition_workload,
+    random_workload,
+    workload_summary,
+    working_set_tokens,
+)
 from tests.checkpoints import VOCAB, write_checkpoint
 from toolkit.config import load_model_config
 
@@ -210,6 +219,27 @@ def test_workload_summary():
     s = workload_summary([BenchRequest([1, 2], 3), BenchRequest([1, 2, 3, 4], 5)])
     assert s["prompt_tokens"] == 6 and s["output_tokens"] == 8
     assert s["prompt_len"] == {"min": 2, "mean": 3.0, "max": 4}
+
+
+def test_prefix_repetition_shares_each_prefix_evenly_in_a_seeded_shuffle():
+    reqs = prefix_repetition_workload(3, 10, 4, 5, num_requests=9, vocab_size=VOCAB, seed=1)
+    assert reqs == prefix_repetition_workload(3, 10, 4, 5, num_requests=9, vocab_size=VOCAB, seed=1)
+    assert all(r.prompt_len == 14 and r.output_len == 5 for r in reqs)
+    prefixes = [tuple(r.prompt_token_ids[:10]) for r in reqs]
+    assert sorted(prefixes.count(p) for p in set(prefixes)) == [3, 3, 3]
+    assert working_set_tokens(reqs) == 3 * 10 + 9 * 4
+    with pytest.raises(ValueError, match="num_prefixes"):
+        prefix_repetition_workload(0, 10, 4, 5, num_requests=9, vocab_size=VOCAB)
+
+
+def test_multi_turn_prompts_grow_by_a_turn_in_turn_major_order():
+    reqs = multi_turn_workload(2, 3, user_len=4, reply_len=2, vocab_size=VOCAB, seed=0)
+    assert [r.prompt_len for r in reqs] == [4, 4, 10, 10, 16, 16] and {r.output_len for r in reqs} == {2}
+    for conv in (0, 1):
+        turns = reqs[conv::2]
+        for earlier, later in zip(turns, turns[1:]):  # the conversation so far, then a reply and a new message
+            assert later.prompt_token_ids[: earlier.prompt_len] == earlier.prompt_token_ids
+    assert working_set_tokens(reqs) == 2 * 16 and workload_summary(reqs)["distinct_prompt_tokens"] == 32
 
 
 # --- roofline formulas and the benchmark model --------------------------------------------------
@@ -475,6 +505,39 @@ def test_speculative_config_runs_beside_the_plain_engine_with_the_same_tokens(ti
     assert rate["values"][label] == 100 and rate["values"]["toolkit (eager)"] is None
     bad = bench("throughput", "--model", tiny, "--speculative-config", '{"method": "x"}', *QUICK)
     assert bad.exit_code == 2 and "speculative_config" in bad.output
+
+
+def test_variants_and_kv_counters_on_a_shared_prefix_workload(tiny, tmp_path):
+    """--variant runs our engine again with other EngineConfig fields beside the first run: here with
+    prefix caching off and with a CPU tier, on vLLM's prefix_repetition shape; every run reports its
+    hit rate per tier, its ratio to the first run, and that it produced the first run's tokens."""
+    report = tmp_path / "kv.json"
+    result = bench("throughput", "--model", tiny, "--workload", "prefix-repetition", "--prefix-repetition", 2, 40, 8, 4,
+                   "-n", 6, "--max-num-batched-tokens", 48, "--decode-tokens", 0,
+                   "--variant", '{"enable_prefix_caching": false}', "--json", report, *QUICK)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(report.read_text())
+    base, off = doc["systems"]["toolkit (eager)"], doc["systems"]["toolkit (eager, enable_prefix_caching=False)"]
+    assert off["tokens_identical_to_plain"] is True
+    # One request per step's budget, so each prefix misses once (its first request) and hits 32 of
+    # its 40 tokens (whole blocks) in the other two: 4 x 32 of 6 x 48 queried tokens.
+    assert base["kv_cache"]["throughput"]["hits"] == 4 * 32 and base["kv_cache"]["throughput"]["queries"] == 6 * 48
+    assert off["kv_cache"]["throughput"]["hits"] == 0
+    row = next(r for r in doc["rows"] if r["metric"].startswith("prefix cache hit rate"))
+    assert row["values"]["toolkit (eager)"] == pytest.approx(100 * 128 / 288)
+    assert doc["workload"]["source"] == "prefix-repetition" and doc["workload"]["distinct_prompt_tokens"] == 2 * 40 + 6 * 8
+
+    turns = bench("throughput", "--model", tiny, "--workload", "multi-turn", "--multi-turn", 3, 3, 20, 4,
+                  "--decode-tokens", 0, "--variant", '{"kv_offloading_size": 0.01}', "--json", report, *QUICK)
+    assert turns.exit_code == 0, turns.output
+    doc = json.loads(report.read_text())
+    tier = doc["systems"]["toolkit (eager, kv_offloading_size=0.01)"]
+    assert tier["tokens_identical_to_plain"] is True
+    assert tier["kv_cache"]["throughput"]["cpu_hits"] > 0 and tier["kv_cache"]["throughput"]["device_to_cpu_mib"] > 0
+    # The device cache is a third of the working set: 3 conversations of 3 x 24 - 4 tokens.
+    assert doc["settings"]["kv_cache_bytes_ours"] < doc["workload"]["distinct_prompt_tokens"] * 512
+    bad = bench("throughput", "--model", tiny, "--variant", '{"no_such_field": 1}', *QUICK)
+    assert bad.exit_code == 2 and "no_such_field" in bad.output
 
 
 def test_cli_errors(tiny):

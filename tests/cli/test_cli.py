@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -327,8 +328,11 @@ def test_resume_after_kill_9_finishes_every_line_exactly_once(ckpt, tmp_path):
     assert generate(ckpt, "-i", prompts, "-o", reference, *RESUME_FLAGS).exit_code == 0
 
     out = tmp_path / "out.jsonl"
+    # With a disk tier (and small blocks, so these short prompts fill some): the resumed run finds
+    # the KV the killed one computed.
+    disk = ["--kv-disk-cache-dir", tmp_path / "kv", "--block-size", 4]
     cmd = [sys.executable, "-m", "cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
-           *RESUME_FLAGS]
+           *RESUME_FLAGS, *disk]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
@@ -343,10 +347,11 @@ def test_resume_after_kill_9_finishes_every_line_exactly_once(ckpt, tmp_path):
     written = out.read_bytes().count(b"\n")
     assert 4 <= written < 30, f"the run was not killed part-way ({written} lines)"
 
-    result = generate(ckpt, "-i", prompts, "-o", out, *RESUME_FLAGS)
+    result = generate(ckpt, "-i", prompts, "-o", out, *RESUME_FLAGS, *disk)
     assert result.exit_code == 0, result.output
     assert f"{written} skipped" in result.stderr
     assert by_line(out) == by_line(reference)  # greedy: the union equals an uninterrupted run
+    assert re.search(r"prefix cache: [\d,]+ of [\d,]+ prompt tokens cached .*disk [1-9]", result.stderr), result.stderr
 
 
 def test_torn_last_line_is_cut_and_redone(ckpt, tmp_path):

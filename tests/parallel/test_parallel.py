@@ -101,14 +101,22 @@ def test_tp2_resident_weight_bytes_are_half_the_sharded_ones(case, two_node_tp2)
 
 
 def test_dp2_x_tp2_matches_single_process(case, tmp_path):
+    """Also with the KV hierarchy squeezed: a 3-block device cache (preemption, evictions), a CPU tier
+    and a disk tier both replicas share; every TP rank moves its own shard of each block."""
+    tiers = {"kv_cache_memory_bytes": 3 * 16 * 256, "kv_offloading_size": 0.01,
+             "kv_disk_cache_dir": str(tmp_path / "kv")}
     proc = torchrun(tmp_path, ["--nproc-per-node=4", "--standalone"],
-                    [*model_args(case, FAMILIES), "--tp", "2", "--dp", "2"])
+                    [*model_args(case, FAMILIES), "--tp", "2", "--dp", "2", "--engine-args", json.dumps(tiers)])
     assert proc.returncode == 0, output_tail(proc)
     reports = read_reports(tmp_path, 4)
     for family, result in zip(FAMILIES, reports[0]["models"]):
         assert result["tokens"] == case.expected[family], family
     for report in reports[1:]:
         assert all(m["tokens"] == [] for m in report["models"]), "only global rank 0 returns outputs"
+    moved = [sum(m["kv_tiers"]["copied_blocks"].values()) for r in reports for m in r["models"]]
+    assert all(n > 0 for n in moved), moved
+    # Each TP rank writes its own shard's entries, under its own fingerprint.
+    assert len([d for d in (tmp_path / "kv").iterdir() if d.is_dir()]) == 2 * len(FAMILIES)
 
 
 def test_recipe_driver_relaunches_itself_as_dp2(case, tmp_path):

@@ -1,7 +1,7 @@
 """The program tests/parallel/test_parallel.py runs under torchrun (it holds no tests itself).
 
 Every rank builds `LLM(model, tensor_parallel_size=..., data_parallel_size=...)` for each --model
-in turn (with the n-th --speculative-config, if given) (the same model may come several times: a process that builds engine after engine) and
+in turn (with the n-th --speculative-config, if given, and --engine-args for all) (the same model may come several times: a process that builds engine after engine) and
 generates greedily for the prompts in --prompts; each rank writes what it saw to <out>/rank<R>.json:
 rank 0 the generated token ids, every rank its resident parameter bytes, its KV-cache shape and the
 graphs each engine compiled. Fault injection for the failure tests: --model-for-rank gives one rank its own
@@ -37,6 +37,7 @@ def main() -> None:
             path, dtype="float32", enforce_eager=args.compile is None, compile_backend=args.compile or "inductor",
             max_model_len=128, block_size=16, skip_tokenizer_init=True,
             tensor_parallel_size=args.tp, data_parallel_size=args.dp, speculative_config=spec,
+            **json.loads(args.engine_args),
         )
         if rank == args.fail_rank:
             fail_after(llm, args.fail_after_steps, args.fail_mode)
@@ -50,6 +51,8 @@ def main() -> None:
             "kv_shape": list(runner.kv_caches[0].shape),
             "compiled_graphs": llm.engine.stats()["graphs"],
             "spec_decode": llm.engine.stats().get("spec_decode"),
+            "kv_tiers": llm.engine.stats().get("kv_tiers"),
+            "prefix_cache": llm.engine.stats()["prefix_cache"],
         })
         del llm
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
@@ -66,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--speculative-config", action="append", default=[], metavar="JSON",
                    help="for the n-th --model, in order (models without one decode plainly)")
+    p.add_argument("--engine-args", default="{}", metavar="JSON", help="more LLM(...) keyword arguments, every model")
     p.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND", help="torch.compile (default: eager)")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-after-steps", type=int, default=3)

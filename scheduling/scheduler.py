@@ -312,8 +312,15 @@ class Scheduler:
         return 0
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        in_flight = self._prompt_blocks_in_flight()
+        deferred = []
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0][1]
+            if in_flight and self._next_block_in_flight(request, in_flight):
+                # A running request is computing this prompt's next block: wait a step or two and
+                # share it, rather than compute the same KV twice (the requests behind may go first).
+                deferred.append(heapq.heappop(self._waiting))
+                continue
             admitted = self._admit(request, budget)
             if admitted is None:
                 break  # no later request may jump the head of the line, or it could starve
@@ -323,7 +330,29 @@ class Scheduler:
             bisect.insort(self._running, request, key=lambda r: self._keys[r.request_id])
             out.scheduled.append(self._scheduled(request, num_new, block_table))
             budget -= num_new
+            if in_flight is not None:
+                in_flight.update(self._uncomputed_prompt_blocks(request))
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
         return budget
+
+    def _prompt_blocks_in_flight(self) -> set | None:
+        """Names of the full prompt blocks running requests have still to compute (None without caching)."""
+        if not self.config.enable_prefix_caching:
+            return None
+        return {h for r in self._running if r.num_computed_tokens < r.num_prompt_tokens
+                for h in self._uncomputed_prompt_blocks(r)}
+
+    def _uncomputed_prompt_blocks(self, request: Request) -> list:
+        hashes = self.kv_cache.block_hashes(request)
+        return hashes[request.num_computed_tokens // self.config.block_size:
+                      request.num_prompt_tokens // self.config.block_size]
+
+    def _next_block_in_flight(self, request: Request, in_flight: set) -> bool:
+        if self.config.preemption_mode == "swap" and self.connector.swapped_tokens(request.request_id):
+            return False
+        hit = len(self.kv_cache.cached_prefix(request))
+        return hit < self.kv_cache.max_cached_blocks(request) and self.kv_cache.block_hashes(request)[hit] in in_flight
 
     def _admit(self, request: Request, budget: int) -> tuple[list[int], int] | None:
         """(block table, tokens to compute) for a waiting request, starting after whatever of it is
@@ -331,7 +360,7 @@ class Scheduler:
         connector's tiers. None (taking nothing) when the blocks are short."""
         swapped = self.connector.swapped_tokens(request.request_id) if self.config.preemption_mode == "swap" else 0
         cached, num_external, hashes = [], 0, []
-        if not swapped:
+        if not swapped and self.config.enable_prefix_caching:
             cached = self.kv_cache.cached_prefix(request)
             if self.connector is not None:
                 hashes = self.kv_cache.block_hashes(request)[len(cached):self.kv_cache.max_cached_blocks(request)]
@@ -354,6 +383,11 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = found
         return block_table, num_new
+
+    def pending_transfers(self) -> KVTransferPlan | None:
+        """Transfers planned since the last schedule() (blocks named by the last update, to be written
+        through to a tier), for an engine that goes idle: no later step would carry them."""
+        return self.connector.build_plan() if self.connector is not None else None
 
     def transfers_failed(self, output: SchedulerOutput, failed: list[BlockCopy]) -> list[str]:
         """The worker could not load these blocks: take every request that reads one out of the step

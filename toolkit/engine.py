@@ -265,6 +265,9 @@ class Engine:
             finished += self._finish_child(req)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler, lambda rid: self._tracked[rid].params, self.max_model_len)
+        if self.kv_tiers is not None and not self.scheduler.has_unfinished():
+            # Idle now: the blocks the last update named go to the tiers before anything can reuse them.
+            self.kv_tiers.transfer(self.scheduler.pending_transfers())
         return finished
 
     def _transfer_kv(self, plan: SchedulerOutput) -> list[str]:

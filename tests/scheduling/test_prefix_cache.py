@@ -124,6 +124,24 @@ def test_a_fully_cached_prompt_still_computes_its_last_token_in_a_block_of_its_o
     assert scheduled.start_position == 4 and again.num_cached_tokens == 4
 
 
+def test_a_prompt_whose_prefix_is_being_computed_waits_to_share_it():
+    s = sched(max_num_batched_tokens=8)
+    first = Request("a", tokens(12), max_tokens=1)
+    twin = Request("b", tokens(12) + [90], max_tokens=1)  # the same first 12 tokens
+    other = Request("c", tokens(5, 40), max_tokens=1)
+    for r in (first, twin, other):
+        s.add_request(r)
+    out = s.schedule()  # a's first chunk fills the budget
+    assert [r.request_id for r in out.scheduled] == ["a"]
+    s.update(out, {})
+    out = s.schedule()  # a's block 2 is still in flight: b waits for it, c (behind b) goes first
+    assert [(r.request_id, r.start_position) for r in out.scheduled] == [("a", 8), ("c", 0)]
+    s.update(out, {r.request_id: [1] for r in out.scheduled if r.samples})
+    out = s.schedule()  # a's prompt is computed and named: b takes all of it
+    assert ("b", 12) in [(r.request_id, r.start_position) for r in out.scheduled]
+    assert twin.num_cached_tokens == 12
+
+
 def test_salted_requests_do_not_share():
     s = sched()
     finish_one(s, Request("a", tokens(10), max_tokens=1, cache_salt="x"))

@@ -66,6 +66,19 @@ def test_half_caches(dtype, tol, num_heads, num_kv_heads, head_dim):
     torch.testing.assert_close(out.double(), dense_reference(batch), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_CONFIGS + [(12, 4), (12, 12)])
+def test_prefill_chunks_in_tiles_match_dense(dtype, tol, num_heads, num_kv_heads):
+    """Chunks of a tile's length or more go in tiles of 12-24 tokens per kv head (each token its own
+    causal length): whole and partial tiles, over long cached contexts and none, beside decodes."""
+    specs = [(100, 50), (0, 37), (33, 24), (5, 12), (0, 1), (70, 11), (16, 48)]
+    batch = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                       dtype=dtype, num_pad=1)
+    out = attend(batch)
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=tol, rtol=tol)
+    assert not out[batch.num_tokens:].any()
+
+
 def test_strided_q_as_the_model_slices_it():
     batch = make_batch([(7, 3), (30, 1)], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
     fused = torch.cat([batch.q, torch.randn_like(batch.q)], dim=1)

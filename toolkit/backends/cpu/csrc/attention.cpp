@@ -5,7 +5,10 @@
 //
 // Each query token is one task (or, with too few tokens to keep every thread busy, one task per
 // (token, kv head)) that walks only its own request's blocks, up to its own causal length, with an
-// online softmax (flash-decoding's recurrence), so K/V are read once, in place. Scores are computed
+// online softmax (flash-decoding's recurrence), so K/V are read once, in place. A prefill chunk's
+// tokens instead go in tiles of 12-24 consecutive tokens per kv head, as tile x G query vectors of
+// one kv head with their own causal lengths: each block's K/V is then read from memory once per
+// tile rather than once per token (a chunk over a long cached prefix was bound by those reads). Scores are computed
 // 8 cache rows at a time with one shuffle tree for their 8 sums (one horizontal sum per dot product
 // made the loop latency-bound), for as many query heads of a kv head as the registers hold, which
 // then share every key and value load. The next block is prefetched while the current one is computed.
@@ -18,6 +21,7 @@
 // starts at -FLT_MAX.
 
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -211,9 +215,12 @@ constexpr int HEADS = 1;
 // One task: num_heads query heads of one token (all of them, or the group of one kv head), over the
 // first `len` positions of its request's blocks. q and out are float32 [num_heads, head_dim]; k and v
 // point at the task's first kv head; a cache row (one position, all kv heads) is row_stride elements.
+// `lens` (or null: all `len`) are the query vectors' own causal lengths, at most `len`: a vector's
+// scores past its length are left out of its softmax.
 template <typename T>
 void attend(const float* q, const T* q_raw, const T* k, const T* v, const int32_t* table, int len, float* out,
-            int num_heads, int group, int head_dim, int block_size, int64_t row_stride, float scale) {
+            int num_heads, int group, int head_dim, int block_size, int64_t row_stride, float scale,
+            const int32_t* lens = nullptr) {
     float running_max[num_heads], denom[num_heads], acc[num_heads * head_dim], p[num_heads * block_size];
     for (int h = 0; h < num_heads; ++h) { running_max[h] = -FLT_MAX; denom[h] = 0.f; }
     std::fill(acc, acc + num_heads * head_dim, 0.f);
@@ -244,16 +251,18 @@ void attend(const float* q, const T* q_raw, const T* k, const T* v, const int32_
         for (int h = 0; h < num_heads; ++h) {
             if (has_next) prefetch_share(k + next, v + next, h, num_heads, (num_heads / group) * head_dim, block_size, row_stride);
             float* ph = p + h * block_size;
+            const int nh = lens ? std::max(0, std::min(n, lens[h] - start)) : n;
             float block_max = running_max[h];
-            for (int i = 0; i < n; ++i) block_max = std::max(block_max, ph[i]);
+            for (int i = 0; i < nh; ++i) block_max = std::max(block_max, ph[i]);
             correction[h] = std::exp(running_max[h] - block_max);
             running_max[h] = block_max;
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-            for (int i = 0; i < n; ++i) {
+            for (int i = 0; i < nh; ++i) {
                 ph[i] = std::exp(ph[i] - block_max);
                 sum += ph[i];
             }
+            for (int i = nh; i < n; ++i) ph[i] = 0.f;  // past this vector's causal length
             denom[h] = denom[h] * correction[h] + sum;
         }
         for (int g = 0; g < num_heads / group; ++g) {
@@ -317,9 +326,60 @@ inline int64_t plan_tokens(const Step& s, std::vector<int32_t>& request, std::ve
     return bad;
 }
 
+// Tokens of a prefill chunk per tile: a multiple of 3 and 2 (the heads of attend's register groups),
+// and at most 48 query vectors, so a task's buffers stay small.
+inline int64_t tile_tokens(int64_t group) { return group <= 2 ? 24 : 12; }
+
+// The tiles of every request with at least a tile of query tokens: (request, first token, tokens).
+inline std::vector<std::array<int64_t, 3>> plan_tiles(const Step& s) {
+    const int64_t size = tile_tokens(s.num_heads / s.num_kv_heads);
+    std::vector<std::array<int64_t, 3>> tiles;
+    for (int64_t r = 0; r < s.requests; ++r)
+        if (s.qsl[r + 1] - s.qsl[r] >= size)
+            for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; t += size)
+                tiles.push_back({r, t, std::min<int64_t>(size, s.qsl[r + 1] - t)});
+    return tiles;
+}
+
+// One tile's tokens, one kv head: tile x G query vectors of that kv head.
+template <typename T>
+void attend_tile(const Step& s, const std::array<int64_t, 3>& tile, int64_t kv_head, const std::vector<int32_t>& length) {
+    const int group = int(s.num_heads / s.num_kv_heads);
+    const int64_t row_stride = s.num_kv_heads * s.head_dim, d = s.head_dim;
+    const int64_t t0 = tile[1], n = tile[2], vectors = n * group;
+    const T* q = static_cast<const T*>(s.q);
+    T* out = static_cast<T*>(s.out);
+    float q32[vectors * d], o32[vectors * d];
+    T q_raw[vectors * d];
+    int32_t lens[vectors];
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t h = 0; h < group; ++h) {
+            const int64_t vec = t * group + h, head = kv_head * group + h;
+            lens[vec] = length[t0 + t];
+            for (int64_t i = 0; i < d; ++i) {
+                q_raw[vec * d + i] = q[(t0 + t) * s.q_token_stride + head * s.q_head_stride + i];
+                q32[vec * d + i] = to_float(q_raw[vec * d + i]);
+            }
+        }
+    attend(q32, q_raw, static_cast<const T*>(s.k) + kv_head * d, static_cast<const T*>(s.v) + kv_head * d,
+           s.tables + tile[0] * s.table_width, length[t0 + n - 1], o32, int(vectors), int(vectors), int(d),
+           int(s.block_size), row_stride, s.scale, lens);
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t h = 0; h < group; ++h)
+            for (int64_t i = 0; i < d; ++i)
+                put(out + ((t0 + t) * s.num_heads + kv_head * group + h) * d + i, o32[(t * group + h) * d + i]);
+}
+
 // q, the cache and out are all of one element type T.
 template <typename T>
-void run(const Step& s, const std::vector<int32_t>& request, const std::vector<int32_t>& length) {
+void run(const Step& s, std::vector<int32_t>& request, const std::vector<int32_t>& length) {
+    const auto tiles = plan_tiles(s);
+    for (const auto& tile : tiles)  // the per-token tasks below leave the tiled tokens alone
+        for (int64_t t = tile[1]; t < tile[1] + tile[2]; ++t) request[t] = -2;
+    const int64_t tile_tasks = int64_t(tiles.size()) * s.num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tile_tasks; ++task)
+        attend_tile<T>(s, tiles[task / s.num_kv_heads], task % s.num_kv_heads, length);
     const int group = int(s.num_heads / s.num_kv_heads);
     const int64_t row_stride = s.num_kv_heads * s.head_dim;
     // A task per token reads each block as one contiguous run (per-kv-head tasks were slower on a
@@ -334,6 +394,7 @@ void run(const Step& s, const std::vector<int32_t>& request, const std::vector<i
         for (int64_t split = 0; split < splits; ++split) {
             const int64_t h0 = split * heads;
             T* o = out + (t * s.num_heads + h0) * s.head_dim;
+            if (request[t] == -2) continue;  // in a tile
             if (request[t] < 0) {
                 for (int64_t i = 0; i < width; ++i) put(o + i, 0.f);
                 continue;

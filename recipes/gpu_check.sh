@@ -7,7 +7,9 @@
 # 4. decode on a Llama-3-8B-shaped random bf16 model: tokens/s at batch 1 and 64 per mode, and batch 1
 #    as a fraction of HBM bandwidth (recipes/gpu_decode_bench.py; pass --hbm-tbps for other GPUs);
 # 5. speculative decoding on a 1B-shaped target (n-gram, and a 2-layer cut of the target as draft):
-#    greedy tokens equal plain greedy, acceptance, batch-1 speed-up (recipes/gpu_spec_check.py).
+#    greedy tokens equal plain greedy, acceptance, batch-1 speed-up (recipes/gpu_spec_check.py);
+# 6. the KV CPU tier through pinned host memory: tokens equal with eviction + reload and with swap
+#    preemption, and the host-device bandwidth of block copies (recipes/gpu_kv_tier_check.py).
 #   bash recipes/gpu_check.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,3 +33,4 @@ print("torchrun tp=1: same tokens as one process")
 PY
 timeout 300 python recipes/gpu_decode_bench.py --out "$out/decode_bench.json" 2>&1 | tee "$out/decode_bench.log"
 timeout 300 python recipes/gpu_spec_check.py --out "$out/spec.json" 2>&1 | tee "$out/spec.log"
+timeout 240 python recipes/gpu_kv_tier_check.py --out "$out/kv_tiers.json" 2>&1 | tee "$out/kv_tiers.log"

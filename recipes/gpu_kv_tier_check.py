@@ -51,8 +51,11 @@ def main() -> None:
         prompts = [{"prompt_token_ids": prefixes[i % 4] + torch.randint(3, 32000, (16,), generator=g).tolist()}
                    for i in range(16)]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * 64 * 2
-        tight = dict(kv_cache_memory_bytes=2 * 560 * per_token, max_num_seqs=2)  # two requests' worth
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2  # bf16
+        # Two prompts (33 blocks each) and one block more: both start, and the first to need a 34th
+        # block preempts the other; the first eight prompts' blocks are evicted by the last eight.
+        tight = dict(kv_cache_memory_bytes=67 * 16 * per_token, max_num_seqs=2)
 
         def run(**kwargs):
             llm = LLM(tmp, dtype="bfloat16", device=args.device, max_model_len=1024, **kwargs)
@@ -70,6 +73,7 @@ def main() -> None:
         assert tier == plain, "tokens with the CPU tier differ from the plain run's"
         assert swap == plain, "tokens with swap preemption differ from the plain run's"
         assert tier_stats["kv_tiers"]["hit_blocks"]["cpu"] > 0, "the CPU tier was never hit"
+        assert swap_stats["kv_tiers"]["swapped_in"] > 0, "no request was swapped out and back"
 
         llm = LLM(tmp, dtype="bfloat16", device=args.device, max_model_len=1024,
                   kv_cache_memory_bytes=(args.blocks + 8) * 16 * per_token)

@@ -209,6 +209,19 @@ def test_a_tier_that_cannot_be_had_is_left_out_with_a_warning(llama, tmp_path, c
     check_tokens(generate(llm, first), expected[:len(first)], "no tiers")
 
 
+def test_a_full_disk_leaves_the_disk_tier_out(llama, tmp_path, caplog, monkeypatch):
+    import shutil
+
+    path, first, _, expected = llama
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr("toolkit.kv_hierarchy.shutil.disk_usage", lambda p: usage._replace(free=100))
+    with caplog.at_level(logging.WARNING, logger="toolkit"):
+        llm = make("llama3", path, kv_disk_cache_dir=str(tmp_path / "kv"))
+    assert "has no room for one block" in " ".join(r.getMessage() for r in caplog.records)
+    assert llm.engine.kv_tiers is None
+    check_tokens(generate(llm, first), expected[:len(first)], "full disk")
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(preemption_mode="swap"), "kv_offloading_size"),
     (dict(preemption_mode="evict"), "preemption_mode"),

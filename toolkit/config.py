@@ -104,6 +104,11 @@ class EngineConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        from toolkit.sampling_params import SEED_MAX, SEED_MIN
+
+        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be None or an int in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         self._check_kv_hierarchy()
         from speculative.config import SpeculativeConfig
 

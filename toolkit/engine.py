@@ -25,7 +25,7 @@ from toolkit.kv_hierarchy import build_kv_hierarchy
 from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
-from toolkit.sampling_params import SamplingParams
+from toolkit.sampling_params import SamplingParams, child_seed
 from toolkit.tokenizer import eos_token_ids, load_tokenizer
 
 log = logging.getLogger("toolkit")
@@ -192,6 +192,10 @@ class Engine:
     ) -> None:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        params.validate()  # fields may have changed since the SamplingParams was built
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"request {request_id!r} has priority {priority} but scheduling_policy is "
+                             f"{self.config.scheduling_policy!r}; pass scheduling_policy='priority'")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt of request {request_id!r} must be a string, got {type(cache_salt).__name__}")
         self.validate_prompt(prompt_token_ids, f"prompt of request {request_id!r}")
@@ -203,7 +207,7 @@ class Engine:
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             # Each of the n sequences draws its own stream: a seeded request stays reproducible.
-            child_params = params if params.seed is None or index == 0 else _with_seed(params, params.seed + index)
+            child_params = params if params.seed is None or index == 0 else _with_seed(params, child_seed(params.seed, index))
             req = Request(
                 request_id=child_id,
                 prompt_token_ids=list(prompt_token_ids),

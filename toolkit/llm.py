@@ -58,6 +58,11 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")
+        if priority is not None and any(priority) and self.engine.config.scheduling_policy != "priority":
+            raise ValueError("priority is set but scheduling_policy is "
+                             f"{self.engine.config.scheduling_policy!r}; pass scheduling_policy='priority'")
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         # Data parallel: this replica serves its token-balanced share; rank 0 gathers everything.
         state = self.engine.parallel
@@ -110,10 +115,17 @@ class LLM:
         if params is None:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
-            return [params] * n
+            params = [params] * n
         params = list(params)
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling_params for {n} prompts; pass one, or one per prompt")
+        for i, p in enumerate(params):  # before any request is added: a bad one loses nothing
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params {i} must be a SamplingParams, got {type(p).__name__}")
+            try:
+                p.validate()
+            except ValueError as e:
+                raise ValueError(f"sampling_params {i}: {e}") from None
         return params
 
     def _run(self, total: int, use_tqdm: bool) -> Iterable[RequestOutput]:

@@ -50,6 +50,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (raises ValueError naming it). Run at construction and again when a request
+        is added, so a field changed after construction (`sp.n = 0`) is caught before it runs."""
         self._normalize()
         self._validate_counts()
         self._validate_distribution()
@@ -82,7 +87,9 @@ class SamplingParams:
             _require(_is_int(self.logprobs) and self.logprobs >= 0,
                      "logprobs must be None or an int >= 0", self.logprobs)
         if self.seed is not None:
-            _require(_is_int(self.seed), "seed must be None or an int", self.seed)
+            # torch.Generator's range; larger ints would alias others in their low 64 bits.
+            _require(_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX,
+                     f"seed must be None or an int in [{SEED_MIN}, {SEED_MAX}]", self.seed)
 
     def _validate_distribution(self) -> None:
         _require(_is_number(self.temperature) and self.temperature >= 0,
@@ -124,6 +131,14 @@ class SamplingParams:
     @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of sequence `index` of an n > 1 request: seed + index, wrapped into the seed range."""
+    return (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
 
 
 def _require(ok: bool, message: str, value) -> None:

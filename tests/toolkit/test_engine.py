@@ -121,6 +121,25 @@ def test_bad_prompts_raise_before_any_work(llm):
         SamplingParams(temperature=-1)
 
 
+def test_bad_sampling_params_and_priorities_raise_before_any_request_is_added(llm):
+    changed = SamplingParams(max_tokens=4)
+    changed.n = 0  # after construction: caught when the request is added, not hung on
+    prompts = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}]
+    with pytest.raises(ValueError, match="sampling_params 1: n must be an int >= 1"):
+        llm.generate(prompts, [SamplingParams(max_tokens=4), changed], use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params 0 must be a SamplingParams"):
+        llm.generate(prompts[:1], [{"max_tokens": 4}], use_tqdm=False)
+    with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+        llm.generate(prompts, SamplingParams(max_tokens=4), priority=[1], use_tqdm=False)
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        llm.generate(prompts, SamplingParams(max_tokens=4), priority=[1, 0], use_tqdm=False)
+    with pytest.raises(ValueError, match="n must be"):
+        llm.engine.add_request("direct", [5, 6], changed)
+    assert not llm.engine.has_unfinished()  # nothing half-added: the engine goes on
+    out = llm.generate(prompts, SamplingParams(max_tokens=4, seed=2**64 - 1, n=2, temperature=1.0), use_tqdm=False)
+    assert [len(c.token_ids) for o in out for c in o.outputs] == [4, 4, 4, 4]
+
+
 def test_request_that_can_never_fit_fails_alone(ckpt):
     # 4 blocks of 16 tokens: a 40-token prompt with 40 new tokens needs 5.
     bytes_per_token = 2 * 2 * 2 * 16 * 4

@@ -228,6 +228,7 @@ def test_a_full_disk_leaves_the_disk_tier_out(llama, tmp_path, caplog, monkeypat
     (dict(kv_offloading_size=-1), "kv_offloading_size"),
     (dict(kv_disk_cache_size=0), "kv_disk_cache_size"),
     (dict(kv_offloading_backend="lmcache"), "kv_offloading_backend"),
+    (dict(seed=2**64), "seed"),
 ])
 def test_bad_hierarchy_configs_are_refused_before_loading(kwargs, match):
     from toolkit.config import EngineConfig

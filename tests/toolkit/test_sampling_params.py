@@ -1,6 +1,6 @@
 import pytest
 
-from toolkit.sampling_params import SamplingParams, SamplingType
+from toolkit.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingType, child_seed
 
 
 def test_defaults_follow_vllm():
@@ -25,6 +25,8 @@ def test_defaults_follow_vllm():
     ("min_p", -0.1, "min_p must be in [0, 1]"),
     ("min_p", 1.1, "min_p must be in [0, 1]"),
     ("seed", 1.5, "seed must be"),
+    ("seed", 2**64, "seed must be None or an int in [-9223372036854775808, 18446744073709551615]"),
+    ("seed", -(2**63) - 1, "seed must be"),
     ("max_tokens", 0, "max_tokens must be"),
     ("min_tokens", -1, "min_tokens must be"),
     ("logprobs", -1, "logprobs must be"),
@@ -85,3 +87,16 @@ def test_sampling_type():
     assert not SamplingParams(temperature=0.7, top_k=2).is_greedy
     # A near-zero temperature would overflow logits / T to inf: it is greedy too.
     assert SamplingParams(temperature=1e-7).is_greedy
+
+
+def test_fields_changed_after_construction_are_checked_again():
+    sp = SamplingParams()
+    sp.n = 0
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        sp.validate()
+
+
+def test_child_seeds_stay_in_the_seed_range():
+    assert child_seed(7, 2) == 9
+    assert child_seed(SEED_MAX, 1) == SEED_MIN
+    SamplingParams(seed=child_seed(SEED_MAX, 3))

@@ -17,9 +17,9 @@ from cli.batch import BatchRunner, LineFailed
 from cli.default_model import resolve_model
 from cli.errors import EXIT_LINE_FAILED, CliError, exit_with, stderr_console
 from cli.input_file import detect_format, iter_lines
-from cli.jobs import Job, jsonl_job, text_job
+from cli.jobs import Job, jsonl_job, text_job, with_line_seed
 from cli.openai_batch import OpenAIRecords, parse_request
-from cli.output_file import RecordWriter, Resume, merge_shards, resume_from, shard_path
+from cli.output_file import OutputLock, RecordWriter, Resume, merge_shards, resume_from, shard_path
 from cli.progress import Reporter
 from cli.records import NativeRecords
 from cli.resume_check import check_input_matches
@@ -214,6 +214,12 @@ def run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, 
         raise CliError("give a PROMPT or --input FILE (see toolkit generate --help)")
     if not io.input.is_file():
         raise CliError(f"input file not found: {io.input}")
+    # Global rank 0 holds the output's lock for the whole job (the other ranks write only shards).
+    with OutputLock(io.output if ranks.main else None):
+        return _run_file(io, model, sampling, engine_args, ranks)
+
+
+def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, ranks: Ranks) -> int:
     console = stderr_console() if ranks.main else Console(quiet=True)
     base = base_params(sampling)
     fmt = detect_format(io.input) if io.input_format == "auto" else io.input_format
@@ -284,11 +290,12 @@ def read_jobs(path: Path, fmt: str, base: SamplingParams, done: dict, share: tup
         if line in done or (share is not None and line % share[1] != share[0]):
             continue
         if fmt == "openai":
-            yield parse_request(line, raw, base)
+            job = parse_request(line, raw, base)
         elif fmt == "jsonl":
-            yield jsonl_job(line, raw, base)
+            job = jsonl_job(line, raw, base)
         else:
-            yield text_job(line, raw, base)
+            job = text_job(line, raw, base)
+        yield with_line_seed(job, base)
 
 
 def _combine(parts: list[RunStats]) -> RunStats:

@@ -8,6 +8,7 @@ in `encode`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ class Job:
     messages: list[dict] | None = None
     params: SamplingParams | None = None
     error: str | None = None  # set: the line cannot run; the message starts with "line N:"
+    own_seed: bool = False  # the line gave its own "seed" (else the run's --seed is derived per line)
 
 
 def failed(line: int, job_id: Any, message: str) -> Job:
@@ -73,7 +75,7 @@ def jsonl_job(line: int, raw: bytes, base: SamplingParams) -> Job:
         if isinstance(job_id, bool) or not isinstance(job_id, (str, int)):
             raise LineError(f"id must be a string or an integer, got {job_id!r}")
         overrides = {k: v for k, v in obj.items() if k != "id" and k not in PROMPT_FIELDS}
-        job = Job(line=line, id=job_id, params=with_overrides(base, overrides))
+        job = Job(line=line, id=job_id, params=with_overrides(base, overrides), own_seed="seed" in overrides)
         set_prompt(job, obj)
         return job
     except LineError as e:
@@ -94,6 +96,19 @@ def set_prompt(job: Job, obj: dict) -> None:
         job.messages = normalize_messages(obj["messages"])
     else:
         job.prompt_token_ids = token_ids(obj["prompt_token_ids"], "prompt_token_ids")
+
+
+def line_seed(seed: int, job_id: Any) -> int:
+    """The seed of the line with this id under `--seed seed`: a function of both alone, so a line
+    samples the same after a resume and repeated prompts (pass@k) sample differently."""
+    digest = hashlib.blake2b(f"{seed}:{type(job_id).__name__}:{job_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def with_line_seed(job: Job, base: SamplingParams) -> Job:
+    if job.error is None and base.seed is not None and not job.own_seed:
+        job.params = dataclasses.replace(job.params, seed=line_seed(base.seed, job.id))
+    return job
 
 
 def with_overrides(base: SamplingParams, overrides: dict) -> SamplingParams:

@@ -20,9 +20,23 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("toolkit")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            number = "unknown (not installed)"
+        typer.echo(f"toolkit {number}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option(
-        "--verbose", "-v", help="Log engine set-up (KV cache size, compile) to stderr.")] = False):
+        "--verbose", "-v", help="Log engine set-up (KV cache size, compile) to stderr.")] = False,
+         version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the toolkit's version and exit.")] = False):
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
 
 

@@ -36,7 +36,8 @@ def parse_request(line: int, raw: bytes, base: SamplingParams) -> Job:
         job = Job(line=line, id=custom_id, kind=kind)
         body = dict(obj["body"])
         _set_prompt(job, body)
-        job.params = with_overrides(base, _sampling_overrides(body, kind))
+        overrides = _sampling_overrides(body, kind)
+        job.params, job.own_seed = with_overrides(base, overrides), "seed" in overrides
         return job
     except LineError as e:
         custom_id = obj.get("custom_id")

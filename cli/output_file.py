@@ -19,6 +19,49 @@ from cli.errors import CliError
 from cli.records import record_id
 
 
+class OutputLock:
+    """An exclusive lock on OUTPUT.lock while a run writes OUTPUT, so two runs never write one output
+    (each would append every line). The lock file goes when the run ends; a killed run's lock dies
+    with it (the file stays, unlocked, and the next run takes it)."""
+
+    def __init__(self, path: Path | None):
+        self.handle = lock_output(path) if path is not None else None
+        self.path = Path(f"{path}.lock") if path is not None else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            self.path.unlink(missing_ok=True)  # while still held: a waiting run finds it gone or locked
+            self.handle.close()
+        return False
+
+
+def lock_output(path: Path):
+    """Take OUTPUT.lock (see OutputLock); returns the open lock file."""
+    import fcntl
+
+    lock_path = Path(f"{path}.lock")
+    try:
+        handle = open(lock_path, "a+")
+    except OSError as e:
+        raise CliError(f"cannot write next to --output {path}: {e.strerror} ({lock_path})") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise CliError(f"--output {path} is being written by {holder} (it holds {lock_path}); wait for it to "
+                       "finish, or pick another --output") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"toolkit generate, pid {os.getpid()} on {os.uname().nodename}\n")
+    handle.flush()
+    return handle
+
+
 class Resume:
     """What an existing output file already answers."""
 

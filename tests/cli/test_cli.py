@@ -354,6 +354,51 @@ def test_resume_after_kill_9_finishes_every_line_exactly_once(ckpt, tmp_path):
     assert re.search(r"prefix cache: [\d,]+ of [\d,]+ prompt tokens cached .*disk [1-9]", result.stderr), result.stderr
 
 
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(ckpt, tmp_path):
+    prompts = prompts_file(tmp_path, 30)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
+           *RESUME_FLAGS]
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while (not out.exists() or out.read_bytes().count(b"\n") < 1) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.01)
+        second = generate(ckpt, "-i", prompts, "-o", out, *RESUME_FLAGS)
+        assert second.exit_code == 2
+        assert f"is being written by toolkit generate, pid {proc.pid}" in second.stderr, second.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+    # The lock dies with its holder: a rerun resumes.
+    result = generate(ckpt, "-i", prompts, "-o", out, *RESUME_FLAGS)
+    assert result.exit_code == 0, result.output
+    assert sorted(by_line(out)) == list(range(1, 31))
+
+
+def test_seed_is_derived_per_line_from_the_run_seed_and_the_line_id(ckpt, llm, tmp_path):
+    lines = [{"id": f"q{i}", "prompt": "the cat sat on"} for i in range(4)] + [
+        {"id": "own", "prompt": "the cat sat on", "seed": 11}]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    runs = []
+    for name in ("a.jsonl", "b.jsonl"):
+        out = tmp_path / name
+        result = generate(ckpt, "-i", inp, "-o", out, "--temperature", 1.0, "--seed", 5, "--max-tokens", 8)
+        assert result.exit_code == 0, result.output
+        runs.append({r["id"]: r["outputs"][0]["token_ids"] for r in read_records(out)})
+    assert runs[0] == runs[1]  # reproducible
+    assert len({tuple(runs[0][f"q{i}"]) for i in range(4)}) > 1  # a repeated prompt samples differently
+    own = llm.generate(["the cat sat on"], SamplingParams(temperature=1.0, seed=11, max_tokens=8), use_tqdm=False)
+    assert runs[0]["own"] == own[0].outputs[0].token_ids  # a line's own seed is used as given
+
+
+def test_version():
+    result = toolkit("--version")
+    assert result.exit_code == 0 and result.stdout.startswith("toolkit ")
+
+
 def test_torn_last_line_is_cut_and_redone(ckpt, tmp_path):
     prompts = prompts_file(tmp_path, 8)
     reference = tmp_path / "reference.jsonl"

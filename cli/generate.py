@@ -150,6 +150,8 @@ def generate(
             engine["speculative_config"] = o.parse_speculative_config(speculative_config, model)
         if tp * dp > 1:
             check_parallel_args(io, dp)
+            if "RANK" not in os.environ:
+                check_model_splits(model, tp)  # before starting tp x dp processes that would all fail
             from parallel import maybe_relaunch
 
             relaunched = maybe_relaunch(tp * dp)  # outside torchrun: run this command as tp x dp processes
@@ -183,6 +185,17 @@ def check_parallel_args(io: IOArgs, dp: int) -> None:
         raise CliError(f"input file not found: {io.input}")
     if dp > 1 and io.output is None:
         raise CliError("--dp writes one shard file per replica, merged at the end: give --output FILE")
+
+
+def check_model_splits(model: Path | None, tp: int) -> None:
+    from parallel.tensor_parallel import check_tensor_parallel
+    from toolkit.config import load_model_config
+
+    path = resolve_model(model, lambda message: None)
+    try:
+        check_tensor_parallel(load_model_config(path), tp)
+    except (OSError, ValueError) as e:
+        raise CliError(f"--tp {tp}: {e}") from None
 
 
 def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, ranks: Ranks = Ranks()) -> int:

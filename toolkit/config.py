@@ -69,6 +69,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int | None = 0
     skip_tokenizer_init: bool = False
+    tokenizer: str | None = None  # a folder with the tokenizer files (vLLM's name); None: the model folder
     # vLLM's meaning; tp * dp processes started by torchrun (see parallel/). 1 x 1: one process.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1

@@ -80,7 +80,10 @@ class Engine:
         self.backend = backends.for_device(config, mc)
         self.config = config
         self.device, self.dtype, self.max_model_len = config.device, config.dtype, config.max_model_len
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+        if self.tokenizer is None and config.tokenizer is not None and not config.skip_tokenizer_init:
+            raise FileNotFoundError(f"tokenizer={config.tokenizer!r} has no tokenizer files "
+                                    "(tokenizer.json, tokenizer_config.json or tokenizer.model)")
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
         self.runner = ModelRunner(config, mc, self.backend, self.tp)
         kv = self.runner.kv_spec

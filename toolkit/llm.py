@@ -21,7 +21,6 @@ PromptType = str | dict
 
 class LLM:
     def __init__(self, model: str, **engine_kwargs):
-        engine_kwargs.pop("tokenizer", None)  # vLLM accepts a separate tokenizer path; ours is the model folder
         self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
         self._counter = 0
 

@@ -394,6 +394,16 @@ def test_seed_is_derived_per_line_from_the_run_seed_and_the_line_id(ckpt, llm, t
     assert runs[0]["own"] == own[0].outputs[0].token_ids  # a line's own seed is used as given
 
 
+def test_a_tp_size_the_model_cannot_take_fails_before_any_process_starts(ckpt, tmp_path):
+    prompts = prompts_file(tmp_path, 2)
+    start = time.monotonic()
+    result = generate(ckpt, "-i", prompts, "-o", tmp_path / "out.jsonl", "--tp", 3)
+    assert result.exit_code == 2
+    assert "--tp 3: tensor_parallel_size 3 does not divide" in result.stderr and "sizes that work: 1, 2, 4" in result.stderr
+    assert time.monotonic() - start < 30  # no torchrun launch, no model load
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_version():
     result = toolkit("--version")
     assert result.exit_code == 0 and result.stdout.startswith("toolkit ")

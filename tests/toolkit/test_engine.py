@@ -140,6 +140,16 @@ def test_bad_sampling_params_and_priorities_raise_before_any_request_is_added(ll
     assert [len(c.token_ids) for o in out for c in o.outputs] == [4, 4, 4, 4]
 
 
+def test_a_separate_tokenizer_folder_is_honoured(ckpt, llm, tmp_path):
+    bare = write_checkpoint(tmp_path / "bare", "llama3", seed=3)  # the same weights, no tokenizer files
+    separate = LLM(str(bare), dtype="float32", enforce_eager=True, max_model_len=96, tokenizer=str(ckpt))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert (separate.generate(["the cat sat on"], params, use_tqdm=False)[0].outputs[0].text
+            == llm.generate(["the cat sat on"], params, use_tqdm=False)[0].outputs[0].text)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer files"):
+        LLM(str(bare), dtype="float32", enforce_eager=True, max_model_len=96, tokenizer=str(tmp_path))
+
+
 def test_request_that_can_never_fit_fails_alone(ckpt):
     # 4 blocks of 16 tokens: a 40-token prompt with 40 new tokens needs 5.
     bytes_per_token = 2 * 2 * 2 * 16 * 4

@@ -17,7 +17,7 @@ from cli.batch import BatchRunner, LineFailed
 from cli.default_model import resolve_model
 from cli.errors import EXIT_LINE_FAILED, CliError, exit_with, stderr_console
 from cli.input_file import detect_format, iter_lines
-from cli.jobs import Job, jsonl_job, text_job, with_line_seed
+from cli.jobs import Job, failed, jsonl_job, text_job, with_line_seed
 from cli.openai_batch import OpenAIRecords, parse_request
 from cli.output_file import OutputLock, RecordWriter, Resume, merge_shards, resume_from, shard_path
 from cli.progress import Reporter
@@ -299,11 +299,15 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
 def read_jobs(path: Path, fmt: str, base: SamplingParams, done: dict, share: tuple[int, int] | None = None):
     """Jobs for the lines without a record yet, parsed lazily as the runner asks for them.
     `share` (replica, dp): only the lines whose number % dp == replica (data parallel)."""
+    used = {job_id: line for line, job_id in done.items()} if fmt == "openai" else {}
     for line, raw in iter_lines(path):
         if line in done or (share is not None and line % share[1] != share[0]):
             continue
         if fmt == "openai":
             job = parse_request(line, raw, base)
+            if job.error is None and job.id in used:  # OpenAI's Batch API refuses a repeated custom_id
+                job = failed(line, job.id, f"custom_id {job.id!r} is already used by line {used[job.id]}")
+            used.setdefault(job.id, line)
         elif fmt == "jsonl":
             job = jsonl_job(line, raw, base)
         else:

@@ -90,6 +90,8 @@ def set_prompt(job: Job, obj: dict) -> None:
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise LineError("prompt must be a string (use prompt_token_ids for token ids)")
+        if not obj["prompt"]:
+            raise LineError("prompt is empty")
         job.prompt = obj["prompt"]
     elif "messages" in obj:
         job.kind = "chat"

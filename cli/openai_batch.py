@@ -70,6 +70,8 @@ def _set_prompt(job: Job, body: dict) -> None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        if not prompt:
+            raise LineError("prompt is empty")
         job.prompt = prompt
     elif isinstance(prompt, list):
         job.prompt_token_ids = token_ids(prompt, "prompt")

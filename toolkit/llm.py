@@ -96,6 +96,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _encode(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError(f"prompt {index} is empty")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.engine.tokenize(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:

@@ -404,6 +404,22 @@ def test_a_tp_size_the_model_cannot_take_fails_before_any_process_starts(ckpt, t
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_empty_prompts_and_repeated_custom_ids_fail_their_lines(ckpt, tmp_path):
+    line = lambda cid, prompt: {"custom_id": cid, "method": "POST", "url": "/v1/completions",  # noqa: E731
+                                "body": {"prompt": prompt, "max_tokens": 2}}
+    inp = write_lines(tmp_path / "batch.jsonl", [line("a", "the cat"), line("b", ""), line("a", "the dog")])
+    out = tmp_path / "out.jsonl"
+    result = generate(ckpt, "-i", inp, "-o", out)
+    assert result.exit_code == 1
+    records = {r["line"]: r for r in read_records(out)}
+    assert records[1]["error"] is None
+    assert "prompt is empty" in records[2]["error"]["message"]
+    assert "custom_id 'a' is already used by line 1" in records[3]["error"]["message"]
+    jsonl = write_lines(tmp_path / "in.jsonl", [{"prompt": ""}])
+    result = generate(ckpt, "-i", jsonl, "-o", tmp_path / "out2.jsonl")
+    assert result.exit_code == 1 and "prompt is empty" in read_records(tmp_path / "out2.jsonl")[0]["error"]
+
+
 def test_version():
     result = toolkit("--version")
     assert result.exit_code == 0 and result.stdout.startswith("toolkit ")

@@ -114,6 +114,8 @@ def test_bad_prompts_raise_before_any_work(llm):
         llm.generate([{"prompt_token_ids": [5]}, long_prompt], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         llm.generate([{"prompt_token_ids": []}], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        llm.generate(["the cat", ""], use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([{"prompt_token_ids": [10**6]}], use_tqdm=False)
     assert not llm.engine.has_unfinished()

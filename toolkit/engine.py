@@ -357,6 +357,13 @@ class Engine:
                 return n, stop
         return len(tokens), None
 
+    def _stop_reason(self, req: Request, params: SamplingParams) -> int | str | None:
+        """vLLM's: the stop string or stop_token_ids entry that ended the request; None for EOS."""
+        reason = req.stop_reason
+        if isinstance(reason, int) and reason in self.eos_token_ids and reason not in (params.stop_token_ids or ()):
+            return None
+        return reason
+
     def _finish_child(self, req: Request) -> list[RequestOutput]:
         tracked = self._tracked.get(req.request_id)
         if tracked is None or not req.status.is_finished:
@@ -373,7 +380,7 @@ class Engine:
             cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
             logprobs=tracked.logprobs,
             finish_reason=FINISH_REASONS[req.status],
-            stop_reason=req.stop_reason,
+            stop_reason=self._stop_reason(req, tracked.params),
         )
         group.error = group.error or req.error
         if tracked.index == 0:

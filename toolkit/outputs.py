@@ -39,7 +39,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None: EOS, as in vLLM)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -96,6 +96,12 @@ def test_stop_token_ids_and_min_tokens(ckpt):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first[k]]),
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == first[: k + 1] and out.finish_reason == "stop" and out.stop_reason == first[k]
+    eos = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    real_eos, llm.engine.eos_token_ids = llm.engine.eos_token_ids, frozenset({first[k]})  # as if EOS came there
+    at_eos = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    llm.engine.eos_token_ids = real_eos  # vLLM's stop_reason for EOS is None
+    assert at_eos.token_ids == first[: k + 1] and at_eos.finish_reason == "stop" and at_eos.stop_reason is None
+    assert eos[0].outputs[0].token_ids == first
     delayed = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, min_tokens=8, stop_token_ids=[first[k]]),
                            use_tqdm=False)[0].outputs[0]
     assert delayed.token_ids == first and delayed.finish_reason == "length"

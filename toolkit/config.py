@@ -266,6 +266,23 @@ def _check_supported_options(hf, arch: str) -> None:
         )
 
 
+def check_device(config: EngineConfig) -> None:
+    """A device (and attention backend) this torch can run, checked before anything loads."""
+    if config.device is not None:
+        try:
+            device = torch.device(config.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {config.device!r}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {config.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r} is not available: this torch "
+                             f"{'has no CUDA support' if torch.version.cuda is None else 'sees no GPU'}")
+    on_cuda = torch.cuda.is_available() if config.device is None else torch.device(config.device).type == "cuda"
+    if config.attention_backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' needs a CUDA device (on CPU: cpu or torch)")
+
+
 def check_sliding_window(config: ModelConfig, max_model_len: int) -> None:
     """A sliding window only changes results once a sequence is longer than the window."""
     window = getattr(config.hf_config, "sliding_window", None)

@@ -19,7 +19,7 @@ import torch
 from parallel import setup_parallel
 from scheduling import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 from toolkit import backends
-from toolkit.config import EngineConfig, ModelConfig, check_sliding_window, load_model_config
+from toolkit.config import EngineConfig, ModelConfig, check_device, check_sliding_window, load_model_config
 from toolkit.detokenizer import IncrementalDetokenizer
 from toolkit.kv_hierarchy import build_kv_hierarchy
 from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -67,6 +67,7 @@ class _Group:
 
 class Engine:
     def __init__(self, config: EngineConfig):
+        check_device(config)
         self.model_config: ModelConfig = load_model_config(config.model)
         mc = self.model_config
         # Joins the process group when tp * dp > 1; checks the sizes against the world and the heads first.

@@ -158,6 +158,17 @@ def test_a_separate_tokenizer_folder_is_honoured(ckpt, llm, tmp_path):
         LLM(str(bare), dtype="float32", enforce_eager=True, max_model_len=96, tokenizer=str(tmp_path))
 
 
+def test_a_device_this_torch_cannot_run_is_refused_before_loading(ckpt, monkeypatch):
+    with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N, got 'tpu'"):
+        LLM(str(ckpt), device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda' is not available"):
+            LLM(str(ckpt), device="cuda")
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA device"):
+            LLM(str(ckpt), attention_backend="triton")
+
+
 def test_request_that_can_never_fit_fails_alone(ckpt):
     # 4 blocks of 16 tokens: a 40-token prompt with 40 new tokens needs 5.
     bytes_per_token = 2 * 2 * 2 * 16 * 4

@@ -11,11 +11,10 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-from safetensors import safe_open
 
 from attention.kv_cache import kv_cache_bytes_per_token, num_blocks_for_budget
 from toolkit.config import ModelConfig
-from toolkit.weights import IGNORED_SUFFIXES, checkpoint_files
+from toolkit.weights import IGNORED_SUFFIXES, checkpoint_files, open_checkpoint_file
 
 TP_SIZES = (1, 2, 4, 8)
 DEFAULT_BUDGETS = ("16GiB", "24GiB", "80GiB", "141GiB")  # common GPU sizes: L4/A10-class, 4090, A100/H100, H200
@@ -34,7 +33,7 @@ def checkpoint_size(config: ModelConfig) -> CheckpointSize:
     parameters = nbytes = 0
     dtypes: set[str] = set()
     for file in checkpoint_files(config.path):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_checkpoint_file(file) as f:
             for name in f.keys():
                 # A tied lm_head stored beside the embedding is the same parameter, counted once.
                 if name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight"):

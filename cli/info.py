@@ -58,9 +58,9 @@ def build_report(path: Path, budgets: list[int], dtype: str, max_model_len: int 
     try:
         config = load_model_config(path)
         serving_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
+        stored = cap.checkpoint_size(config)
     except (OSError, ValueError) as e:
         raise CliError(f"cannot read model {path}: {e}") from None
-    stored = cap.checkpoint_size(config)
     length = max_model_len or config.max_position_embeddings
     rows = cap.capacity_table(config, serving_dtype, budgets, block_size, length)
     return {

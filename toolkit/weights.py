@@ -9,13 +9,14 @@ one, a wrong shape) is an error naming the tensor: serving silently wrong weight
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from toolkit.config import ModelConfig
@@ -31,6 +32,18 @@ SliceReader = Callable[[str, object], torch.Tensor]
 
 class CheckpointError(ValueError):
     """The checkpoint's files or tensors do not match the model."""
+
+
+@contextmanager
+def open_checkpoint_file(file: Path):
+    """safe_open, with a truncated or corrupt file reported as a CheckpointError naming it."""
+    try:
+        handle = safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({e}): it may be truncated or "
+                              "corrupt; download or save the checkpoint again") from None
+    with handle as f:
+        yield f
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -70,7 +83,7 @@ def load_weights(
         params.pop("lm_head.weight", None)  # tied to the embedding after loading
     loaded: set[str] = set()
     for file in checkpoint_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_checkpoint_file(file) as f:
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (name not in params and _is_tied_alias(model, name)):
                     continue

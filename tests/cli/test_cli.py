@@ -420,6 +420,28 @@ def test_empty_prompts_and_repeated_custom_ids_fail_their_lines(ckpt, tmp_path):
     assert result.exit_code == 1 and "prompt is empty" in read_records(tmp_path / "out2.jsonl")[0]["error"]
 
 
+def test_a_truncated_safetensors_file_is_a_one_line_error(ckpt, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    for cut in (len(data) // 2, 20):  # the data cut short; the header itself cut short
+        weights.write_bytes(data[:cut])
+        for args in (["generate", "-m", broken, "--eager", "hi"], ["info", broken]):
+            result = toolkit(*args)
+            assert result.exit_code == 2, result.output
+            assert f"{weights} is not a readable safetensors file" in result.stderr and "Traceback" not in result.output
+
+
+def test_an_output_that_cannot_be_written_fails_before_the_model_loads(ckpt, tmp_path):
+    prompts = prompts_file(tmp_path, 2)
+    result = generate(ckpt, "-i", prompts, "-o", tmp_path / "missing-dir" / "out.jsonl")
+    assert result.exit_code == 2 and "cannot write next to --output" in result.stderr
+    assert "loading" not in result.stderr
+
+
 def test_version():
     result = toolkit("--version")
     assert result.exit_code == 0 and result.stdout.startswith("toolkit ")

@@ -75,7 +75,7 @@ class Engine:
         self.tp = self.parallel.tp if self.parallel is not None else None
         device = self.parallel.device if self.parallel is not None else torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        config = config.resolve(mc, device)
+        config = backends.runnable(config.resolve(mc, device))
         check_sliding_window(mc, config.max_model_len)
         # The device's kernels (built at once on CPU), its attention backend, its model changes.
         self.backend = backends.for_device(config, mc)

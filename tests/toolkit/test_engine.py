@@ -169,6 +169,21 @@ def test_a_device_this_torch_cannot_run_is_refused_before_loading(ckpt, monkeypa
             LLM(str(ckpt), attention_backend="triton")
 
 
+def test_without_a_cpp_compiler_the_engine_runs_eagerly_with_one_warning(ckpt, llm, monkeypatch, caplog):
+    import logging
+    import warnings
+
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with caplog.at_level(logging.WARNING, logger="toolkit"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the CPU kernels cannot build either: their own warning
+        eager = LLM(str(ckpt), dtype="float32", max_model_len=96)  # compiled by default
+    assert eager.engine.config.enforce_eager
+    assert sum("no C++ compiler" in r.getMessage() for r in caplog.records) == 1
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert (eager.generate(["the cat"], params, use_tqdm=False)[0].outputs[0].token_ids
+            == llm.generate(["the cat"], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
 def test_request_that_can_never_fit_fails_alone(ckpt):
     # 4 blocks of 16 tokens: a 40-token prompt with 40 new tokens needs 5.
     bytes_per_token = 2 * 2 * 2 * 16 * 4

@@ -46,6 +46,26 @@ class Backend:
         return {"backend": self.name, "attention": self.attention_backend()}
 
 
+def runnable(config):
+    """`config` (resolved), or a copy that runs eagerly, with one warning, where compiling cannot:
+    on CPU Inductor needs a C++ compiler, and without one every step would fail."""
+    import dataclasses
+    import logging
+    import shutil
+
+    from toolkit import envs
+
+    if config.enforce_eager or config.compile_backend != "inductor" or torch.device(config.device).type != "cpu":
+        return config
+    if shutil.which(envs.cxx()) is not None:
+        return config
+    logging.getLogger("toolkit").warning(
+        "no C++ compiler (%r, from $CXX or the default c++) to compile the model's step: running eagerly; "
+        "install g++ (or set CXX) for the compiled step, or pass --eager / enforce_eager=True to silence this",
+        envs.cxx())
+    return dataclasses.replace(config, enforce_eager=True)
+
+
 def for_device(config, model_config) -> Backend:
     """The backend for `config.device` (a resolved EngineConfig), serving `model_config`'s model.
     Raises, before any weight is read, where it cannot serve the model as configured."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolkit.sampling_params import SamplingParams
-from toolkit.tokenizer import render_chat
+from toolkit.tokenizer import chat_messages, render_chat
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -127,23 +127,10 @@ def with_overrides(base: SamplingParams, overrides: dict) -> SamplingParams:
 
 
 def normalize_messages(messages) -> list[dict]:
-    """Chat messages with string content; OpenAI's [{"type": "text", "text": ...}] parts are joined."""
-    if not isinstance(messages, list) or not messages:
-        raise LineError("messages must be a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise LineError(f"messages[{i}] must be an object with a string role and a content")
-        out.append({**m, "content": _text_content(m["content"], i)})
-    return out
-
-
-def _text_content(content, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise LineError(f"messages[{i}].content must be a string or a list of text parts (images are not supported)")
+    try:
+        return chat_messages(messages)
+    except ValueError as e:
+        raise LineError(str(e)) from None
 
 
 def token_ids(value, name: str) -> list[int]:

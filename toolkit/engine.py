@@ -176,6 +176,9 @@ class Engine:
     def validate_prompt(self, prompt_token_ids: list[int], where: str = "prompt") -> None:
         if not prompt_token_ids:
             raise ValueError(f"{where} is empty")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: token ids must be ints, got {type(bad).__name__} {bad!r}")
         if len(prompt_token_ids) > self.max_model_len:
             raise ValueError(
                 f"{where} has {len(prompt_token_ids)} tokens, more than max_model_len {self.max_model_len}"

@@ -12,7 +12,7 @@ from toolkit.config import EngineConfig
 from toolkit.engine import Engine
 from toolkit.outputs import RequestOutput
 from toolkit.sampling_params import SamplingParams
-from toolkit.tokenizer import render_chat
+from toolkit.tokenizer import chat_messages, render_chat
 
 log = logging.getLogger("toolkit")
 
@@ -89,9 +89,15 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        checked = []
+        for i, conv in enumerate(conversations):
+            try:
+                checked.append(chat_messages(conv))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
         prompts = [
             {"prompt_token_ids": render_chat(self.engine.tokenizer, conv, add_generation_prompt, **(chat_template_kwargs or {}))}
-            for conv in conversations
+            for conv in checked
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -101,7 +107,7 @@ class LLM:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.engine.tokenize(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            text, token_ids = prompt.get("prompt"), _token_id_list(prompt["prompt_token_ids"], index)
         elif isinstance(prompt, dict) and "prompt" in prompt:
             text, token_ids = prompt["prompt"], self.engine.tokenize(prompt["prompt"])
         else:
@@ -143,3 +149,16 @@ class LLM:
                     elapsed = progress.tasks[0].elapsed or 1e-9
                     progress.update(task, advance=1, rate=f"{tokens / elapsed:.0f} tok/s")
                     yield out
+
+
+def _token_id_list(ids, index: int) -> list[int]:
+    """prompt_token_ids as a list of Python ints, or a ValueError naming the prompt and the type."""
+    import numbers
+
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"prompt {index}: prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+    ids = list(ids)
+    bad = next((t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+    if bad is not None:
+        raise ValueError(f"prompt {index}: prompt_token_ids must hold ints, got {type(bad).__name__} {bad!r}")
+    return [int(t) for t in ids]

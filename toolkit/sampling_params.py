@@ -25,6 +25,9 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -66,8 +69,22 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__} {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__} "
+                             f"{self.stop_token_ids!r}")
+        # 5.0 tokens is 5 (OpenAI and vLLM take it); 5.5 is an error below.
+        for name in ("n", "max_tokens", "min_tokens", "logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                setattr(self, name, int(value))
+        for name in NUMBER_FIELDS:
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         # -1 and 0 both mean "no top-k"; keep one spelling so consumers test a single value.
         if self.top_k == -1:

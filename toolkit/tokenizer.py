@@ -41,3 +41,23 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def chat_messages(messages) -> list[dict]:
+    """Chat messages with string content; OpenAI's [{"type": "text", "text": ...}] parts are joined."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f"messages[{i}] must be an object with a string role and a content")
+        out.append({**m, "content": _text_content(m["content"], i)})
+    return out
+
+
+def _text_content(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise ValueError(f"messages[{i}].content must be a string or a list of text parts (images are not supported)")

@@ -122,6 +122,14 @@ def test_bad_prompts_raise_before_any_work(llm):
         llm.generate([{"prompt_token_ids": []}], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         llm.generate(["the cat", ""], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: prompt_token_ids must be a list of ints, got str"):
+        llm.generate([{"prompt_token_ids": "abc"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 1: prompt_token_ids must hold ints, got float 1.5"):
+        llm.generate([{"prompt_token_ids": [5]}, {"prompt_token_ids": [1.5, 2]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="conversation 0: messages\\[0\\] must be an object with a string role"):
+        llm.chat([{"role": "user"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids must be ints, got bool"):
+        llm.engine.add_request("direct", [True], SamplingParams())
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([{"prompt_token_ids": [10**6]}], use_tqdm=False)
     assert not llm.engine.has_unfinished()

@@ -100,3 +100,21 @@ def test_child_seeds_stay_in_the_seed_range():
     assert child_seed(7, 2) == 9
     assert child_seed(SEED_MAX, 1) == SEED_MIN
     SamplingParams(seed=child_seed(SEED_MAX, 3))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(stop=5), "stop must be a string or a list of strings, got int 5"),
+    (dict(stop_token_ids="a"), "stop_token_ids must be a list of ints, got str 'a'"),
+    (dict(temperature="0.5"), "temperature must be a number, got str '0.5'"),
+    (dict(top_p=None), "top_p must be a number, got NoneType"),
+    (dict(max_tokens=5.5), "max_tokens must be None or an int >= 1, got 5.5"),
+])
+def test_wrong_types_name_the_field_and_the_type(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert message in str(info.value)
+
+
+def test_whole_float_counts_are_taken_as_ints_as_openai_does():
+    sp = SamplingParams(max_tokens=5.0, n=2.0)
+    assert (sp.max_tokens, sp.n) == (5, 2) and type(sp.max_tokens) is int

@@ -10,6 +10,7 @@ from rich.markup import escape
 # (bad flag, missing model or input, unusable output file). 2 is also click's usage-error code.
 EXIT_LINE_FAILED = 1
 EXIT_SETUP = 2
+EXIT_INTERRUPTED = 130  # SIGINT, as a shell reports it
 
 
 class CliError(Exception):

@@ -15,7 +15,7 @@ from rich.console import Console
 from cli import options as o
 from cli.batch import BatchRunner, LineFailed
 from cli.default_model import resolve_model
-from cli.errors import EXIT_LINE_FAILED, CliError, exit_with, stderr_console
+from cli.errors import EXIT_INTERRUPTED, EXIT_LINE_FAILED, CliError, exit_with, stderr_console
 from cli.input_file import detect_format, iter_lines
 from cli.jobs import Job, failed, jsonl_job, text_job, with_line_seed
 from cli.openai_batch import OpenAIRecords, parse_request
@@ -243,6 +243,10 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
         resume = resume_from(io.output) if io.output is not None else Resume({}, 0, 0)
         # Before the (slow) model load: a reused output path from another input fails at once.
         total = check_input_matches(io.input, fmt, resume.done, io.output)
+        if total == 0 and ranks.world == 1:
+            console.print(f"[yellow]warning:[/yellow] {io.input} has no prompts (blank lines are skipped): "
+                          "nothing to do", soft_wrap=True)
+            return 0
         if (resume.done or resume.torn_bytes) and not io.quiet:
             console.print(_resume_message(resume, total, io.output), soft_wrap=True)
         # A single process may stop here; ranks must all get to the engine (the others wait for rank 0 there).
@@ -276,6 +280,10 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
         except LineFailed as e:
             raise CliError(f"{e} (--fail-fast: stopped; fix the line and rerun with the same --output to resume)",
                            code=EXIT_LINE_FAILED) from None
+        except KeyboardInterrupt:
+            written = stats.succeeded + stats.errors + len(resume.done)
+            raise CliError(f"interrupted: {written}/{total} lines have a record in {where}; rerun the same "
+                           "command to resume", code=EXIT_INTERRUPTED) from None
     stats.spec = engine.stats().get("spec_decode")
     stats.kv = kv_summary(engine)
     if share is not None:

@@ -14,7 +14,11 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # Prompts are bounded by max_model_len, checked by the engine; the tokenizer's own limit would only
+    # print a warning about "sequence length" that says nothing about what the engine accepts.
+    tokenizer.model_max_length = int(1e30)
+    return tokenizer
 
 
 def eos_token_ids(config: ModelConfig, tokenizer) -> frozenset[int]:

@@ -442,6 +442,34 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_loads(ckpt, tmp
     assert "loading" not in result.stderr
 
 
+def test_sigint_says_what_was_written_and_a_rerun_resumes(ckpt, tmp_path):
+    prompts = prompts_file(tmp_path, 30)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
+           *RESUME_FLAGS]
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while (not out.exists() or out.read_bytes().count(b"\n") < 2) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    written = out.read_bytes().count(b"\n")
+    assert proc.returncode == 130, stderr
+    assert f"interrupted: {written}/30 lines have a record in {out}; rerun the same command to resume" in stderr
+    assert "Traceback" not in stderr
+    result = generate(ckpt, "-i", prompts, "-o", out, *RESUME_FLAGS)
+    assert result.exit_code == 0 and sorted(by_line(out)) == list(range(1, 31))
+
+
+def test_an_empty_input_file_says_so(ckpt, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    result = generate(ckpt, "-i", empty, "-o", tmp_path / "out.jsonl")
+    assert result.exit_code == 0 and "has no prompts" in result.stderr
+
+
 def test_version():
     result = toolkit("--version")
     assert result.exit_code == 0 and result.stdout.startswith("toolkit ")

@@ -203,7 +203,7 @@ def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict
         raise CliError("a PROMPT's completion is printed to stdout; --input and --output are for prompt files")
     console = stderr_console() if ranks.main else Console(quiet=True)
     base = base_params(sampling)
-    engine = load_engine(model, engine_args, console, io.quiet)
+    engine = load_engine(model, engine_args, console, io.quiet, text_from="a text PROMPT")
     job = Job(line=1, id=1, prompt=io.prompt, params=base)
 
     def print_text(record: dict) -> None:
@@ -252,7 +252,8 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
         # A single process may stop here; ranks must all get to the engine (the others wait for rank 0 there).
         if len(resume.done) == total and ranks.world == 1:
             return EXIT_LINE_FAILED if resume.errors else 0
-    engine = load_engine(model, engine_args, console, io.quiet)
+    engine = load_engine(model, engine_args, console, io.quiet,
+                         text_from=f"plain-text input {io.input}" if fmt == "text" else None)
     if ranks.world > 1:
         import torch.distributed as dist
 
@@ -345,7 +346,17 @@ def base_params(sampling: dict) -> SamplingParams:
         raise CliError(f"invalid sampling option: {e}") from None
 
 
-def load_engine(model: Path | None, engine_args: dict, console, quiet: bool):
+def require_tokenizer(path: Path, engine_args: dict, what: str) -> None:
+    """Text needs the model's tokenizer: say so before loading, not at the first prompt."""
+    from toolkit.tokenizer import TOKENIZER_FILES
+
+    folder = Path(engine_args.get("tokenizer") or path)
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise CliError(f"{what} needs the model's tokenizer, but {folder} has none of {', '.join(TOKENIZER_FILES)}; "
+                       "add them, or give prompt_token_ids in a JSONL file")
+
+
+def load_engine(model: Path | None, engine_args: dict, console, quiet: bool, text_from: str | None = None):
     from toolkit.config import EngineConfig
     from toolkit.engine import Engine
 
@@ -353,6 +364,8 @@ def load_engine(model: Path | None, engine_args: dict, console, quiet: bool):
         console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
 
     path = resolve_model(model, warn)
+    if text_from is not None:
+        require_tokenizer(path, engine_args, text_from)
     try:
         with console.status(f"loading {path}", spinner="dots") if not quiet else nullcontext():
             return Engine(EngineConfig(model=str(path), **engine_args))

@@ -26,7 +26,7 @@ from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
 from toolkit.sampling_params import SamplingParams, child_seed
-from toolkit.tokenizer import eos_token_ids, load_tokenizer
+from toolkit.tokenizer import TOKENIZER_FILES, eos_token_ids, load_tokenizer
 
 log = logging.getLogger("toolkit")
 
@@ -83,8 +83,7 @@ class Engine:
         self.device, self.dtype, self.max_model_len = config.device, config.dtype, config.max_model_len
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         if self.tokenizer is None and config.tokenizer is not None and not config.skip_tokenizer_init:
-            raise FileNotFoundError(f"tokenizer={config.tokenizer!r} has no tokenizer files "
-                                    "(tokenizer.json, tokenizer_config.json or tokenizer.model)")
+            raise FileNotFoundError(f"tokenizer={config.tokenizer!r} has none of {', '.join(TOKENIZER_FILES)}")
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
         self.runner = ModelRunner(config, mc, self.backend, self.tp)
         kv = self.runner.kv_spec

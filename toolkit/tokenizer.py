@@ -7,12 +7,15 @@ from pathlib import Path
 from toolkit.config import ModelConfig
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one will do
+
+
 def load_tokenizer(path: str | Path):
     """The checkpoint's tokenizer, or None when the folder has no tokenizer files (token-id prompts only)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
     tokenizer = AutoTokenizer.from_pretrained(path)
     # Prompts are bounded by max_model_len, checked by the engine; the tokenizer's own limit would only

@@ -470,6 +470,16 @@ def test_an_empty_input_file_says_so(ckpt, tmp_path):
     assert result.exit_code == 0 and "has no prompts" in result.stderr
 
 
+def test_text_without_a_tokenizer_fails_before_the_model_loads(tmp_path):
+    bare = write_checkpoint(tmp_path / "bare", "llama3", seed=3)
+    result = toolkit("generate", "-m", bare, *ENGINE_FLAGS, "hello")
+    assert result.exit_code == 2 and "a text PROMPT needs the model's tokenizer" in result.stderr
+    assert "tokenizer.json" in result.stderr
+    ids = write_lines(tmp_path / "ids.jsonl", [{"prompt_token_ids": [5, 6, 7]}])
+    ok = toolkit("generate", "-m", bare, *ENGINE_FLAGS, "-i", ids, "-o", tmp_path / "out.jsonl", "--max-tokens", 2)
+    assert ok.exit_code == 0, ok.output  # token ids need no tokenizer
+
+
 def test_version():
     result = toolkit("--version")
     assert result.exit_code == 0 and result.stdout.startswith("toolkit ")

@@ -56,6 +56,11 @@ def main() -> None:
         })
         del llm
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+    # Leave the process group before the interpreter tears down: gloo's threads, destroyed still
+    # running at exit, abort the process ("terminate called without an active exception").
+    from parallel import shutdown
+
+    shutdown()
 
 
 def parse_args() -> argparse.Namespace:

@@ -163,10 +163,7 @@ def kv_summary(engine) -> dict | None:
     prefix, tiers = stats["prefix_cache"], stats.get("kv_tiers")
     if not engine.config.enable_prefix_caching and tiers is None:
         return None
-    hits = {"device": prefix["device_hits"]}
-    block = engine.config.block_size
-    for tier, blocks in (tiers or {}).get("hit_blocks", {}).items():
-        hits[tier] = blocks * block
+    hits = {"device": prefix["device_hits"], **(tiers or {}).get("hit_tokens", {})}
     return {"queries": prefix["queries"], "hits": prefix["hits"], "hits_by_tier": hits,
             "bytes_moved": dict((tiers or {}).get("bytes_moved", {})),
             "failed_loads": (tiers or {}).get("failed_loads", 0)}

@@ -338,8 +338,8 @@ class Scheduler:
 
     def _prompt_blocks_in_flight(self) -> set | None:
         """Names of the full prompt blocks running requests have still to compute (None without caching)."""
-        if not self.config.enable_prefix_caching:
-            return None
+        if not self.config.enable_prefix_caching or not self._waiting:
+            return None  # (nobody to defer: no need to walk the running requests every step)
         return {h for r in self._running if r.num_computed_tokens < r.num_prompt_tokens
                 for h in self._uncomputed_prompt_blocks(r)}
 

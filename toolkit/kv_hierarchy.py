@@ -46,19 +46,15 @@ class KVHierarchy:
         return failed
 
     def metrics(self) -> list:
-        s = self.connector.tier_stats
-        out = [Counter("toolkit:prefix_cache_hits_tier", {"tier": tier}, n * self.block_tokens)
-               for tier, n in s.hit_blocks.items()]
-        out += [Counter("toolkit:kv_transfer_bytes", {"direction": d}, n * self.block_bytes)
-                for d, n in s.copied_blocks.items()]
-        return out + [Counter("toolkit:kv_transfer_failed_loads", value=s.failed_loads)]
-
-    @property
-    def block_tokens(self) -> int:
-        return self.connector.block_size
+        s = self.stats()
+        out = [Counter("toolkit:prefix_cache_hits_tier", {"tier": t}, n) for t, n in s["hit_tokens"].items()]
+        out += [Counter("toolkit:kv_transfer_bytes", {"direction": d}, n) for d, n in s["bytes_moved"].items()]
+        return out + [Counter("toolkit:kv_transfer_failed_loads", value=s["failed_loads"])]
 
     def stats(self) -> dict:
+        """The connector's counters, with the hits in tokens and the copies in bytes beside the blocks."""
         stats = self.connector.stats()
+        stats["hit_tokens"] = {t: n * self.connector.block_size for t, n in stats["hit_blocks"].items()}
         stats["bytes_moved"] = {d: n * self.block_bytes for d, n in stats["copied_blocks"].items()}
         return stats
 

@@ -85,11 +85,10 @@ class OursSystem:
         """The prefix cache's and tiers' counters so far (cli/bench/metrics.py KV_COUNTERS)."""
         stats = self.llm.engine.stats()
         prefix, tiers = stats["prefix_cache"], stats.get("kv_tiers") or {}
-        block = self.llm.engine.config.block_size
-        hits = tiers.get("hit_blocks", {})
+        hits = tiers.get("hit_tokens", {})
         moved = {f"{d}_bytes": n for d, n in tiers.get("bytes_moved", {}).items()}
         return {"queries": prefix["queries"], "hits": prefix["hits"], "device_hits": prefix["device_hits"],
-                "cpu_hits": hits.get("cpu", 0) * block, "disk_hits": hits.get("disk", 0) * block, **moved}
+                "cpu_hits": hits.get("cpu", 0), "disk_hits": hits.get("disk", 0), **moved}
 
     def _fresh(self) -> None:
         # Each timed run starts without what the warm-up or an earlier run left cached (as vLLM's does).

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from cli.jobs import Job, LineError, encode
-from cli.progress import Reporter
-from cli.stats import RunStats
+from toolkit.cli.jobs import Job, LineError, encode
+from toolkit.cli.progress import Reporter
+from toolkit.cli.stats import RunStats
 from toolkit.engine import Engine
 from toolkit.outputs import RequestOutput
 

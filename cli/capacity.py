@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from attention.kv_cache import kv_cache_bytes_per_token, num_blocks_for_budget
+from toolkit.attention.kv_cache import kv_cache_bytes_per_token, num_blocks_for_budget
 from toolkit.config import ModelConfig
 from toolkit.weights import IGNORED_SUFFIXES, checkpoint_files, open_checkpoint_file
 

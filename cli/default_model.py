@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from cli.errors import CliError
+from toolkit.cli.errors import CliError
 from toolkit.envs import cache_root
 from toolkit.weights import checkpoint_files
 

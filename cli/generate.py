@@ -12,18 +12,18 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from cli import options as o
-from cli.batch import BatchRunner, LineFailed
-from cli.default_model import resolve_model
-from cli.errors import EXIT_INTERRUPTED, EXIT_LINE_FAILED, CliError, exit_with, stderr_console
-from cli.input_file import detect_format, iter_lines
-from cli.jobs import Job, failed, jsonl_job, text_job, with_line_seed
-from cli.openai_batch import OpenAIRecords, parse_request
-from cli.output_file import OutputLock, RecordWriter, Resume, merge_shards, resume_from, shard_path
-from cli.progress import Reporter
-from cli.records import NativeRecords
-from cli.resume_check import check_input_matches
-from cli.stats import RunStats, combine_kv, combine_spec, kv_summary, print_summary, summary_line
+from toolkit.cli import options as o
+from toolkit.cli.batch import BatchRunner, LineFailed
+from toolkit.cli.default_model import resolve_model
+from toolkit.cli.errors import EXIT_INTERRUPTED, EXIT_LINE_FAILED, CliError, exit_with, stderr_console
+from toolkit.cli.input_file import detect_format, iter_lines
+from toolkit.cli.jobs import Job, failed, jsonl_job, text_job, with_line_seed
+from toolkit.cli.openai_batch import OpenAIRecords, parse_request
+from toolkit.cli.output_file import OutputLock, RecordWriter, Resume, merge_shards, resume_from, shard_path
+from toolkit.cli.progress import Reporter
+from toolkit.cli.records import NativeRecords
+from toolkit.cli.resume_check import check_input_matches
+from toolkit.cli.stats import RunStats, combine_kv, combine_spec, kv_summary, print_summary, summary_line
 from toolkit.sampling_params import SamplingParams
 
 
@@ -152,7 +152,7 @@ def generate(
             check_parallel_args(io, dp)
             if "RANK" not in os.environ:
                 check_model_splits(model, tp)  # before starting tp x dp processes that would all fail
-            from parallel import maybe_relaunch
+            from toolkit.parallel import maybe_relaunch
 
             relaunched = maybe_relaunch(tp * dp)  # outside torchrun: run this command as tp x dp processes
             if relaunched is not None:
@@ -162,7 +162,7 @@ def generate(
                     else run_file(io, model, sampling, engine, ranks))
         finally:
             if ranks.world > 1:
-                from parallel import shutdown
+                from toolkit.parallel import shutdown
 
                 shutdown()
     except CliError as e:
@@ -188,7 +188,7 @@ def check_parallel_args(io: IOArgs, dp: int) -> None:
 
 
 def check_model_splits(model: Path | None, tp: int) -> None:
-    from parallel.tensor_parallel import check_tensor_parallel
+    from toolkit.parallel.tensor_parallel import check_tensor_parallel
     from toolkit.config import load_model_config
 
     path = resolve_model(model, lambda message: None)
@@ -288,7 +288,7 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
     stats.spec = engine.stats().get("spec_decode")
     stats.kv = kv_summary(engine)
     if share is not None:
-        from parallel import gather_replicas
+        from toolkit.parallel import gather_replicas
 
         # Also the barrier: once rank 0 has every replica's stats, every shard is complete and closed.
         parts = gather_replicas(engine.parallel, stats)

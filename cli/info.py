@@ -11,11 +11,11 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from attention.kv_cache import kv_cache_bytes_per_token
-from cli import capacity as cap
-from cli.default_model import check_model_folder
-from cli.errors import CliError, exit_with
-from cli.sizes import format_count, format_size, parse_size
+from toolkit.attention.kv_cache import kv_cache_bytes_per_token
+from toolkit.cli import capacity as cap
+from toolkit.cli.default_model import check_model_folder
+from toolkit.cli.errors import CliError, exit_with
+from toolkit.cli.sizes import format_count, format_size, parse_size
 
 
 def info(

@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 
 import toolkit  # noqa: F401  first: its process defaults must be set before torch loads (toolkit/envs.py)
-from cli.bench import bench_app
-from cli.generate import generate
-from cli.info import info
+from toolkit.cli.bench import bench_app
+from toolkit.cli.generate import generate
+from toolkit.cli.info import info
 
 app = typer.Typer(
     help="A small, torch.compile-centric LLM inference toolkit. Run `toolkit COMMAND --help` for a command's flags.",

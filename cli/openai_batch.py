@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from cli.jobs import Job, LineError, failed, load_object, normalize_messages, token_ids, with_overrides
+from toolkit.cli.jobs import Job, LineError, failed, load_object, normalize_messages, token_ids, with_overrides
 from toolkit.outputs import RequestOutput
 from toolkit.sampling_params import SamplingParams
 

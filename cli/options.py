@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.sizes import parse_size
+from toolkit.cli.sizes import parse_size
 
 MODEL = "Model"
 SAMPLING = "Sampling (defaults; a JSONL or OpenAI line may override them)"
@@ -149,9 +149,9 @@ def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_bat
 
 def parse_speculative_config(text: str, model: Path | None):
     """--speculative-config, checked before anything loads; the built-in model's draft is the default draft."""
-    from cli.default_model import TRAINED_DRAFT, TRAINED_MODEL
-    from cli.errors import CliError
-    from speculative import SpeculativeConfig
+    from toolkit.cli.default_model import TRAINED_DRAFT, TRAINED_MODEL
+    from toolkit.cli.errors import CliError
+    from toolkit.speculative import SpeculativeConfig
 
     builtin = model is None or Path(model).resolve() == TRAINED_MODEL
     try:

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from cli.errors import CliError
-from cli.records import record_id
+from toolkit.cli.errors import CliError
+from toolkit.cli.records import record_id
 
 
 class OutputLock:

@@ -6,7 +6,7 @@ order, not input order, and `line` is also what a resumed run uses to skip finis
 
 from __future__ import annotations
 
-from cli.jobs import Job
+from toolkit.cli.jobs import Job
 from toolkit.outputs import CompletionOutput, RequestOutput
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cli.errors import CliError
-from cli.input_file import iter_lines
+from toolkit.cli.errors import CliError
+from toolkit.cli.input_file import iter_lines
 
 
 def check_input_matches(input_path: Path, fmt: str, done: dict[int, object], output: Path | None) -> int:

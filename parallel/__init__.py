@@ -5,8 +5,8 @@ Leaf package: imports torch and torch.distributed only (it reads the model confi
 and the model's module names, but never imports toolkit).
 """
 
-from parallel.data_parallel import gather_outputs, gather_replicas, my_share, request_cost, split_by_tokens
-from parallel.distributed import (
+from toolkit.parallel.data_parallel import gather_outputs, gather_replicas, my_share, request_cost, split_by_tokens
+from toolkit.parallel.distributed import (
     MESH_DIM_NAMES,
     TIMEOUT_ENV,
     ParallelConfigError,
@@ -17,7 +17,7 @@ from parallel.distributed import (
     setup_parallel,
     shutdown,
 )
-from parallel.launch import launched_by_torchrun, maybe_relaunch, relaunch
+from toolkit.parallel.launch import launched_by_torchrun, maybe_relaunch, relaunch
 
 # parallel.tensor_parallel (TensorParallel, the DTensor plans) is not imported here: importing
 # DTensor's op registry costs seconds, which a single-process run should not pay.

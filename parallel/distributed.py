@@ -130,7 +130,7 @@ def setup_parallel(tp: int, dp: int, device: str | torch.device | None, model_co
     `model_config` is checked against tp first (heads divisible, see `check_tensor_parallel`), so
     that error is raised before anything is loaded or any peer is waited for.
     """
-    from parallel.tensor_parallel import TensorParallel, check_tensor_parallel
+    from toolkit.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
 
     world = launched_world_size()
     if tp * dp == 1 and world == 1:

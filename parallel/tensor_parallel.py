@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from parallel.distributed import ParallelConfigError
+from toolkit.parallel.distributed import ParallelConfigError
 
 KV_PROJECTIONS = ("model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from parallel import is_main_process, maybe_relaunch, shutdown  # noqa: E402
+from toolkit.parallel import is_main_process, maybe_relaunch, shutdown  # noqa: E402
 
 
 def main() -> None:
@@ -69,7 +69,7 @@ def default_model() -> Path:
     trained = REPO / "toolkit" / "default_model" / "target"
     if (trained / "config.json").is_file():
         return trained
-    from cli.default_model import RANDOM_MODEL_NAME, cache_dir, ensure_random_model
+    from toolkit.cli.default_model import RANDOM_MODEL_NAME, cache_dir, ensure_random_model
 
     return ensure_random_model(cache_dir() / RANDOM_MODEL_NAME)  # safe when every rank calls it
 

@@ -36,8 +36,8 @@ def main() -> None:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from attention.kv_transfer import TieredKVWorker, run_transfers
-    from scheduling.kv_transfer import BlockCopy, KVTransferPlan
+    from toolkit.attention.kv_transfer import TieredKVWorker, run_transfers
+    from toolkit.scheduling.kv_transfer import BlockCopy, KVTransferPlan
     from toolkit import LLM, SamplingParams
 
     small = args.device == "cpu"

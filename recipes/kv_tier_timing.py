@@ -25,9 +25,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
-    from attention.kv_transfer import TieredKVWorker, run_transfers
-    from cli.bench.model import resolve_model
-    from scheduling.kv_transfer import BlockCopy, KVTransferPlan
+    from toolkit.attention.kv_transfer import TieredKVWorker, run_transfers
+    from toolkit.cli.bench.model import resolve_model
+    from toolkit.scheduling.kv_transfer import BlockCopy, KVTransferPlan
     from toolkit import LLM, SamplingParams
 
     path, load_format = resolve_model(None, args.model_shape, need_weights=False)

@@ -1,8 +1,8 @@
 """Speculative decoding: proposers (n-gram lookup, a draft model), the lossless rejection sampler, and
 the engine's glue (`Speculator`). See speculative/rejection.py for why the output is exact."""
 
-from speculative.config import METHODS, SpeculativeConfig, SpeculativeConfigError
-from speculative.ngram import NgramProposer
-from speculative.rejection import RejectionSampler, Verified
+from toolkit.speculative.config import METHODS, SpeculativeConfig, SpeculativeConfigError
+from toolkit.speculative.ngram import NgramProposer
+from toolkit.speculative.rejection import RejectionSampler, Verified
 
 __all__ = ["METHODS", "NgramProposer", "RejectionSampler", "SpeculativeConfig", "SpeculativeConfigError", "Verified"]

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from scheduling import Request, ScheduledRequest
+from toolkit.scheduling import Request, ScheduledRequest
 from toolkit.sampler import STREAM_DRAFT, Sampler, argmax_rows, uses_penalties
 from toolkit.sampling_params import SamplingParams
 
@@ -108,7 +108,7 @@ class GreedyDraftLoop:
         model = runner.model
 
         def greedy_draft_loop(tokens, positions, limits, block_tables, kv_caches):
-            from attention import AttentionMetadata
+            from toolkit.attention import AttentionMetadata
 
             rows = tokens.shape[0]
             starts = torch.arange(rows + 1, dtype=torch.int32, device=tokens.device)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from scheduling import Request, Scheduler, SchedulerOutput
-from speculative.config import SpeculativeConfig
-from speculative.ngram import NgramProposer
-from speculative.rejection import RejectionSampler, Verified
+from toolkit.scheduling import Request, Scheduler, SchedulerOutput
+from toolkit.speculative.config import SpeculativeConfig
+from toolkit.speculative.ngram import NgramProposer
+from toolkit.speculative.rejection import RejectionSampler, Verified
 from toolkit.metrics import Counter, Vector
 from toolkit.sampler import Sampler
 from toolkit.sampling_params import SamplingParams
@@ -157,7 +157,7 @@ class Speculator:
 
 
 def _draft_proposer(spec: SpeculativeConfig, config, model_config, sampler: Sampler, num_blocks: int):
-    from speculative.draft import DraftModelProposer
+    from toolkit.speculative.draft import DraftModelProposer
     from toolkit import backends
     from toolkit.config import load_model_config
     from toolkit.runner import ModelRunner

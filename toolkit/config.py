@@ -111,7 +111,7 @@ class EngineConfig:
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be None or an int in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         self._check_kv_hierarchy()
-        from speculative.config import SpeculativeConfig
+        from toolkit.speculative.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.cpu_linear not in envs.CPU_LINEAR_CHOICES:

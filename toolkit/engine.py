@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parallel import setup_parallel
-from scheduling import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from toolkit.parallel import setup_parallel
+from toolkit.scheduling import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 from toolkit import backends
 from toolkit.config import EngineConfig, ModelConfig, check_device, check_sliding_window, load_model_config
 from toolkit.detokenizer import IncrementalDetokenizer
@@ -89,7 +89,7 @@ class Engine:
         kv = self.runner.kv_spec
         self.sampler = Sampler(config.seed)
         spec = config.speculative_config
-        from speculative.speculator import Speculator  # here: speculative/ imports the toolkit's sampler
+        from toolkit.speculative.speculator import Speculator  # here: speculative/ imports the toolkit's sampler
         # Speculative decoding (speculative/): drafts proposed after each step, verified in the next.
         self.speculator = None if spec is None else Speculator(spec, config, mc, self.sampler, kv.num_blocks, self.tp)
         # CPU and disk tiers below the device cache (None when none is configured or none could be had).

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import AttentionMetadata
-from scheduling import ScheduledRequest
+from toolkit.attention import AttentionMetadata
+from toolkit.scheduling import ScheduledRequest
 
 # Compiled steps whose token count must stay backed (a real size, not an unbacked one) pad it to at
 # least this, since dynamo specializes size 1: the torch attention backend's traced decode attention

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from attention import available_memory_bytes
-from attention.kv_transfer import TieredKVWorker, run_transfers
-from scheduling.kv_tiers import DiskResidency, TieredKVConnector
+from toolkit.attention import available_memory_bytes
+from toolkit.attention.kv_transfer import TieredKVWorker, run_transfers
+from toolkit.scheduling.kv_tiers import DiskResidency, TieredKVConnector
 from toolkit.metrics import Counter
 
 log = logging.getLogger("toolkit")

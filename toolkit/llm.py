@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from parallel import gather_outputs, is_main_process, my_share, request_cost
+from toolkit.parallel import gather_outputs, is_main_process, my_share, request_cost
 from toolkit.config import EngineConfig
 from toolkit.engine import Engine
 from toolkit.outputs import RequestOutput

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import allocate_kv_cache, available_memory_bytes, kv_cache_bytes_per_token
-from parallel import processes_per_device
-from scheduling import ScheduledRequest
+from toolkit.attention import allocate_kv_cache, available_memory_bytes, kv_cache_bytes_per_token
+from toolkit.parallel import processes_per_device
+from toolkit.scheduling import ScheduledRequest
 from toolkit import inputs as step_inputs
 from toolkit import transforms
 from toolkit.config import EngineConfig, ModelConfig

@@ -7,6 +7,6 @@
 - `report.py`: the table and the JSON.
 """
 
-from cli.bench.app import bench_app
+from toolkit.cli.bench.app import bench_app
 
 __all__ = ["bench_app"]

@@ -21,15 +21,15 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cli.bench.metrics import combine_throughput, decode_metrics, kv_delta, latency_metrics, spec_delta
-from cli.bench.model import SHAPES, resolve_model
-from cli.bench.report import build_rows, render_table, report_json
-from cli.bench.roofline import (
+from toolkit.cli.bench.metrics import combine_throughput, decode_metrics, kv_delta, latency_metrics, spec_delta
+from toolkit.cli.bench.model import SHAPES, resolve_model
+from toolkit.cli.bench.report import build_rows, render_table, report_json
+from toolkit.cli.bench.roofline import (
     bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
     workload_flops,
 )
-from cli.bench.systems import BenchError, HFSystem, OursSystem, VLLMSystem, python_of
-from cli.bench.workload import (
+from toolkit.cli.bench.systems import BenchError, HFSystem, OursSystem, VLLMSystem, python_of
+from toolkit.cli.bench.workload import (
     BenchRequest,
     load_dataset,
     multi_turn_workload,
@@ -216,8 +216,8 @@ def _run(command: str, o: dict) -> None:
         _fail(f"unknown --workload {o['workload']}; choose from {', '.join(WORKLOADS)}")
     spec = None
     if o["speculative_config"] is not None:
-        from cli.options import parse_speculative_config
-        from cli.errors import CliError
+        from toolkit.cli.options import parse_speculative_config
+        from toolkit.cli.errors import CliError
 
         try:
             spec = parse_speculative_config(o["speculative_config"], o["model"])

@@ -3,7 +3,7 @@
 Each system is started (its start-up timed: construct + one warm-up request of 2 tokens), then runs
 the workload in one mode, and optionally a batch-1 decode run. Results are raw (elapsed times,
 token counts, per-request `RequestTiming`s) so that every figure is computed by the same code for
-every system (`cli.bench.metrics`).
+every system (`toolkit.cli.bench.metrics`).
 
 How per-token times are measured, from the outside, the same way for all:
 - ours: after every `Engine.step()`, one timestamp; each in-flight request's output length is read
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from cli.bench.metrics import RequestTiming, throughput_metrics
-from cli.bench.roofline import best_of_probes
-from cli.bench.workload import BenchRequest, hf_batches
+from toolkit.cli.bench.metrics import RequestTiming, throughput_metrics
+from toolkit.cli.bench.roofline import best_of_probes
+from toolkit.cli.bench.workload import BenchRequest, hf_batches
 
 Advance = Callable[[int], None]
 # phase(description, total) -> advance(n): a progress bar task; the default draws nothing.

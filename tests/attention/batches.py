@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import AttentionMetadata
+from toolkit.attention import AttentionMetadata
 
 HEAD_CONFIGS = [(4, 4), (8, 2), (8, 1)]  # (Hq, Hkv): GQA ratio 1, 4, and MQA
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from attention import (
+from toolkit.attention import (
     AttentionMetadata,
     allocate_kv_cache,
     available_memory_bytes,
@@ -122,7 +122,7 @@ def test_write_kv_writes_exactly_the_given_slots():
 def test_traced_write_kv_matches_the_op_and_skips_tail_padding(compiled):
     """write_torch.py (what compiled torch-backend steps trace): the same cache as the op, padding rows
     (-1, after the real tokens) leave every slot but the real ones untouched."""
-    from attention.write_torch import write_kv_traced
+    from toolkit.attention.write_torch import write_kv_traced
 
     gen = torch.Generator().manual_seed(4)
     cache = torch.randn(2, 6, 16, 2, 64, generator=gen)
@@ -194,7 +194,7 @@ def test_compiled_step_matches_eager_without_graph_breaks():
 def test_traced_decode_attention_matches_dense(num_heads, num_kv_heads, dtype):
     """decode_torch.py (the compiled CPU decode path), called eagerly, over decodes of every length
     class: empty context, inside a block, on a block boundary, several blocks."""
-    from attention.decode_torch import decode_attention_torch
+    from toolkit.attention.decode_torch import decode_attention_torch
 
     specs = [(0, 1), (7, 1), (15, 1), (16, 1), (47, 1), (3, 1)]
     batch = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, dtype=dtype)

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from attention import AttentionMetadata, paged_attention, write_kv  # noqa: E402
+from toolkit.attention import AttentionMetadata, paged_attention, write_kv  # noqa: E402
 from tests.attention.batches import make_batch, random_specs  # noqa: E402
 
 

@@ -15,16 +15,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli.bench import bench_app
-from cli.bench.app import _merge_rounds
-from cli.bench.metrics import (
+from toolkit.cli.bench import bench_app
+from toolkit.cli.bench.app import _merge_rounds
+from toolkit.cli.bench.metrics import (
     RequestTiming, combine_throughput, decode_metrics, latency_metrics, summarize, throughput_metrics,
 )
-from cli.bench.model import shape_config_only
-from cli.bench.report import HIGHER, LOWER, build_rows, render_table, report_json
-from cli.bench.roofline import bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, layer_linear_params, request_flops
-from cli.bench.systems import BenchError, VLLMSystem, python_of
-from cli.bench.workload import (
+from toolkit.cli.bench.model import shape_config_only
+from toolkit.cli.bench.report import HIGHER, LOWER, build_rows, render_table, report_json
+from toolkit.cli.bench.roofline import bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, layer_linear_params, request_flops
+from toolkit.cli.bench.systems import BenchError, VLLMSystem, python_of
+from toolkit.cli.bench.workload import (
     BenchRequest,
     hf_batches,
     load_dataset,
@@ -346,7 +346,7 @@ def test_vllm_worker_protocol_progress_and_result(tmp_path, monkeypatch):
         "print(json.dumps({'event': 'result', 'result': {'version': 'x', 'startup': {'total_s': 1.0},"
         " 'latency': {'timings': [t], 'duration_s': 1.0}, 'decode': t}}))\n"
     )
-    monkeypatch.setattr("cli.bench.systems.WORKER", fake_worker(tmp_path, body))
+    monkeypatch.setattr("toolkit.cli.bench.systems.WORKER", fake_worker(tmp_path, body))
     seen = []
 
     def phase(name, total):
@@ -377,7 +377,7 @@ def test_vllm_worker_waits_while_we_probe_beside_its_decode_run(tmp_path, monkey
         "print(json.dumps({'event': 'result', 'result': {'version': 'x', 'startup': {'total_s': 1.0},"
         " 'throughput': {}, 'decode': t}}))\n"
     )
-    monkeypatch.setattr("cli.bench.systems.WORKER", fake_worker(tmp_path, body))
+    monkeypatch.setattr("toolkit.cli.bench.systems.WORKER", fake_worker(tmp_path, body))
     readings = iter([{"bytes": 8, "read_bytes_per_s": 20e9}, {"bytes": 8, "read_bytes_per_s": 23e9}])
     calls = []
     probe = lambda: calls.append(1) or next(readings)  # noqa: E731
@@ -392,7 +392,7 @@ def test_vllm_worker_waits_while_we_probe_beside_its_decode_run(tmp_path, monkey
 
 
 def test_vllm_worker_failure_reports_its_log(tmp_path, monkeypatch):
-    monkeypatch.setattr("cli.bench.systems.WORKER", fake_worker(tmp_path, "import sys\nsys.stderr.write('no vllm here')\nsys.exit(3)\n"))
+    monkeypatch.setattr("toolkit.cli.bench.systems.WORKER", fake_worker(tmp_path, "import sys\nsys.stderr.write('no vllm here')\nsys.exit(3)\n"))
     system = VLLMSystem(tmp_path, python=Path(sys.executable), dtype="bfloat16", eager=False, max_model_len=64,
                         max_num_seqs=8, max_num_batched_tokens=64)
     with pytest.raises(BenchError, match="status 3(.|\n)*no vllm here"):

@@ -20,9 +20,9 @@ import pytest
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-import cli.default_model
-from cli.main import app
-from cli.sizes import parse_size
+import toolkit.cli.default_model
+from toolkit.cli.main import app
+from toolkit.cli.sizes import parse_size
 from tests.checkpoints import write_checkpoint, write_tokenizer
 from toolkit import LLM, SamplingParams
 
@@ -198,10 +198,10 @@ def test_speculative_config_keeps_the_output_and_reports_acceptance(ckpt, llm, t
 
 
 def test_the_built_in_model_takes_its_shipped_draft():
-    from cli.options import parse_speculative_config
+    from toolkit.cli.options import parse_speculative_config
 
     spec = parse_speculative_config('{"method": "draft_model", "num_speculative_tokens": 4}', None)
-    assert spec.model == str(cli.default_model.TRAINED_DRAFT)
+    assert spec.model == str(toolkit.cli.default_model.TRAINED_DRAFT)
 
 
 def test_single_prompt_prints_the_completion(ckpt, llm):
@@ -331,7 +331,7 @@ def test_resume_after_kill_9_finishes_every_line_exactly_once(ckpt, tmp_path):
     # With a disk tier (and small blocks, so these short prompts fill some): the resumed run finds
     # the KV the killed one computed.
     disk = ["--kv-disk-cache-dir", tmp_path / "kv", "--block-size", 4]
-    cmd = [sys.executable, "-m", "cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
+    cmd = [sys.executable, "-m", "toolkit.cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
            *RESUME_FLAGS, *disk]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
@@ -357,7 +357,7 @@ def test_resume_after_kill_9_finishes_every_line_exactly_once(ckpt, tmp_path):
 def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(ckpt, tmp_path):
     prompts = prompts_file(tmp_path, 30)
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
+    cmd = [sys.executable, "-m", "toolkit.cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
            *RESUME_FLAGS]
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -445,7 +445,7 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_loads(ckpt, tmp
 def test_sigint_says_what_was_written_and_a_rerun_resumes(ckpt, tmp_path):
     prompts = prompts_file(tmp_path, 30)
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
+    cmd = [sys.executable, "-m", "toolkit.cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
            *RESUME_FLAGS]
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -513,7 +513,7 @@ def test_resume_refuses_an_output_written_for_another_input(ckpt, tmp_path):
 
 
 def test_default_model_falls_back_to_a_cached_random_llama(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli.default_model, "TRAINED_MODEL", tmp_path / "not-trained-yet")
+    monkeypatch.setattr(toolkit.cli.default_model, "TRAINED_MODEL", tmp_path / "not-trained-yet")
     env = {"TOOLKIT_CACHE": str(tmp_path / "cache")}
     result = toolkit("generate", "hello world", "--eager", "--max-tokens", 4, "--kv-cache-memory", "8MiB",
                      "--max-model-len", 64, env=env)

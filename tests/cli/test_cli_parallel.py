@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.output_file import merge_shards, shard_path
+from toolkit.cli.output_file import merge_shards, shard_path
 from tests.checkpoints import write_checkpoint, write_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ TIMEOUT_S = 300  # a healthy launch takes ~20-60 s here: reaching this is a hang
 
 def run_cli(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "cli.main", "generate", *map(str, args)], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "toolkit.cli.main", "generate", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 

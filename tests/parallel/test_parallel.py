@@ -26,9 +26,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from parallel import ParallelConfigError, split_by_tokens
-from parallel.distributed import check_sizes
-from parallel.tensor_parallel import check_tensor_parallel
+from toolkit.parallel import ParallelConfigError, split_by_tokens
+from toolkit.parallel.distributed import check_sizes
+from toolkit.parallel.tensor_parallel import check_tensor_parallel
 from tests.checkpoints import random_prompts, write_checkpoint, write_tokenizer
 from toolkit import LLM, SamplingParams
 

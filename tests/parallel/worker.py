@@ -58,7 +58,7 @@ def main() -> None:
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
     # Leave the process group before the interpreter tears down: gloo's threads, destroyed still
     # running at exit, abort the process ("terminate called without an active exception").
-    from parallel import shutdown
+    from toolkit.parallel import shutdown
 
     shutdown()
 

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduling import Request, RequestStatus, Scheduler, SchedulerConfig
-from scheduling.block_hash import extend_block_hashes, hash_block
-from scheduling.block_pool import BlockPool
-from scheduling.kv_tiers import DiskResidency, TieredKVConnector
+from toolkit.scheduling import Request, RequestStatus, Scheduler, SchedulerConfig
+from toolkit.scheduling.block_hash import extend_block_hashes, hash_block
+from toolkit.scheduling.block_pool import BlockPool
+from toolkit.scheduling.kv_tiers import DiskResidency, TieredKVConnector
 
 BS = 4
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from scheduling import (
+from toolkit.scheduling import (
     BlockPool,
     KVCacheManager,
     Request,

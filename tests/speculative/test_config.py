@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculative import SpeculativeConfig, SpeculativeConfigError
+from toolkit.speculative import SpeculativeConfig, SpeculativeConfigError
 from tests.checkpoints import write_checkpoint
 from toolkit import LLM, EngineConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from speculative import NgramProposer
+from toolkit.speculative import NgramProposer
 
 
 def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

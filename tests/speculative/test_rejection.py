@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative import RejectionSampler
+from toolkit.speculative import RejectionSampler
 from tests.speculative.goodness_of_fit import ALPHA, chi_square_p_value
 from toolkit.sampler import Sampler
 from toolkit.sampling_params import SamplingParams

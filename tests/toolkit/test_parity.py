@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduling import ScheduledRequest
+from toolkit.scheduling import ScheduledRequest
 from tests.checkpoints import FAMILIES, hf_greedy, random_prompts, write_checkpoint
 from toolkit import LLM, SamplingParams
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from attention import AttentionMetadata
+from toolkit.attention import AttentionMetadata
 from toolkit.backends import Backend
 
 log = logging.getLogger("toolkit")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention import AttentionMetadata, paged_attention, write_kv
+from toolkit.attention import AttentionMetadata, paged_attention, write_kv
 from toolkit.config import ModelConfig, rope_inv_freq
 from toolkit.merged_linear import project
 

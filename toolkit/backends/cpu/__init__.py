@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-import attention
+from toolkit import attention
 from toolkit.backends import Backend
 from toolkit.backends.cpu import kernels
 from toolkit.backends.cpu.linear import LinearPlan, layer_shapes, onednn_native, pack_linears, plan_for

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from attention import AttentionMetadata, paged_attention, write_kv
+from toolkit.attention import AttentionMetadata, paged_attention, write_kv
 from tests.attention.batches import HEAD_CONFIGS, dense_reference, make_batch, random_specs
 from toolkit.backends.cpu import kernels
 

@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-import toolkit.cli.default_model
+from toolkit.cli import default_model as demo_model
 from toolkit.cli.main import app
 from toolkit.cli.sizes import parse_size
 from tests.checkpoints import write_checkpoint, write_tokenizer
@@ -201,7 +201,7 @@ def test_the_built_in_model_takes_its_shipped_draft():
     from toolkit.cli.options import parse_speculative_config
 
     spec = parse_speculative_config('{"method": "draft_model", "num_speculative_tokens": 4}', None)
-    assert spec.model == str(toolkit.cli.default_model.TRAINED_DRAFT)
+    assert spec.model == str(demo_model.TRAINED_DRAFT)
 
 
 def test_single_prompt_prints_the_completion(ckpt, llm):
@@ -513,7 +513,7 @@ def test_resume_refuses_an_output_written_for_another_input(ckpt, tmp_path):
 
 
 def test_default_model_falls_back_to_a_cached_random_llama(tmp_path, monkeypatch):
-    monkeypatch.setattr(toolkit.cli.default_model, "TRAINED_MODEL", tmp_path / "not-trained-yet")
+    monkeypatch.setattr(demo_model, "TRAINED_MODEL", tmp_path / "not-trained-yet")
     env = {"TOOLKIT_CACHE": str(tmp_path / "cache")}
     result = toolkit("generate", "hello world", "--eager", "--max-tokens", 4, "--kv-cache-memory", "8MiB",
                      "--max-model-len", 64, env=env)

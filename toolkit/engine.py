@@ -267,18 +267,68 @@ class Engine:
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         if self.speculator is not None:
             self.speculator.forget(plan.preempted)
-        sampled, logprobs = self._run_model(plan)
+        try:
+            sampled, logprobs = self._run_model(plan)
+        except Exception as exc:  # noqa: BLE001  one bad step must not poison the engine
+            if not self._can_isolate(exc):
+                raise
+            return finished + self._fail_step(plan, exc)
         before = {rid: self._tracked[rid].request.num_output_tokens for rid in sampled}
         done = self.scheduler.update(plan, sampled)
         done += self._append_outputs(sampled, logprobs, before)
         for req in done:
             finished += self._finish_child(req)
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler, lambda rid: self._tracked[rid].params, self.max_model_len)
+            finished += self._propose()
         if self.kv_tiers is not None and not self.scheduler.has_unfinished():
             # Idle now: the blocks the last update named go to the tiers before anything can reuse them.
             self.kv_tiers.transfer(self.scheduler.pending_transfers())
         return finished
+
+    def _propose(self) -> list[RequestOutput]:
+        """Drafts for the next step; if the proposer fails, the requests it was drafting for fail alone."""
+        try:
+            self.speculator.propose(self.scheduler, lambda rid: self._tracked[rid].params, self.max_model_len)
+            return []
+        except Exception as exc:  # noqa: BLE001
+            if not self._can_isolate(exc):
+                raise
+            victims = self.scheduler.decoding_requests()
+            log.error("drafting for %d requests failed; they end with finish_reason='error'", len(victims),
+                      exc_info=exc)
+            finished = []
+            for req in victims:
+                self._fail_request(req, f"drafting failed: {type(exc).__name__}: {exc}")
+                finished += self._finish_child(req)
+            return finished
+
+    def _can_isolate(self, exc: Exception) -> bool:
+        """Whether a failed step can be ended for its requests alone. Not under TP: a rank that failed
+        alone would leave the others' schedulers out of step, so the job ends (as any TP fault does).
+        Not for a broken process group either."""
+        return self.tp is None and not isinstance(exc, torch.distributed.DistError)
+
+    def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """Fail the step's requests alone. The scheduler advances computed tokens and names cached
+        blocks only in update(), which this step never reached, so nothing it half-wrote is reused."""
+        log.error("a step of %d requests failed; they end with finish_reason='error'", len(plan.scheduled),
+                  exc_info=exc)
+        reason = f"the engine step failed: {type(exc).__name__}: {exc}"
+        finished = []
+        for scheduled in plan.scheduled:
+            tracked = self._tracked.get(scheduled.request_id)
+            if tracked is None:
+                continue
+            self._fail_request(tracked.request, reason)
+            finished += self._finish_child(tracked.request)
+        return finished
+
+    def _fail_request(self, req: Request, reason: str) -> None:
+        req.error = reason
+        if req.status.is_finished:
+            req.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
 
     def _transfer_kv(self, plan: SchedulerOutput) -> list[str]:
         """Run the step's block copies (tiers, swaps); returns the requests taken out of the step
@@ -329,7 +379,12 @@ class Engine:
             tracked = self._tracked[rid]
             req = tracked.request
             new = req.output_token_ids[before[rid]:]
-            kept, stop = self._detokenize(tracked, new)
+            try:
+                kept, stop = self._detokenize(tracked, new)
+            except Exception as exc:  # noqa: BLE001  e.g. a token id the tokenizer does not know
+                self._fail_request(req, f"detokenizing tokens {new} failed: {type(exc).__name__}: {exc}")
+                stopped.append(req)
+                continue
             del req.output_token_ids[before[rid] + kept:]
             if tracked.logprobs is not None:
                 for token, lp in zip(new[:kept], logprobs[rid]):

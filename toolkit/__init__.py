@@ -12,10 +12,21 @@ from toolkit import envs
 
 envs.set_process_defaults()  # before anything builds a oneDNN primitive (toolkit/envs.py)
 
-from toolkit.config import EngineConfig
-from toolkit.engine import Engine
-from toolkit.llm import LLM
-from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from toolkit.sampling_params import SamplingParams
+# The public names load on first use, so `import toolkit.scheduling` (bookkeeping, no torch) stays
+# as light as the scheduler is; `from toolkit import LLM` loads the engine.
+_EXPORTS = {
+    "LLM": "toolkit.llm", "SamplingParams": "toolkit.sampling_params", "Engine": "toolkit.engine",
+    "EngineConfig": "toolkit.config", "RequestOutput": "toolkit.outputs", "CompletionOutput": "toolkit.outputs",
+    "Logprob": "toolkit.outputs", "RequestMetrics": "toolkit.outputs",
+}
+__all__ = list(_EXPORTS)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Engine", "EngineConfig"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'toolkit' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -758,3 +758,13 @@ def test_tight_cache_contention_finishes_with_exact_outputs(cfg, lengths, spare_
             event("a request was preempted")
     for r in reqs:
         assert (r.output_token_ids, r.status) == reference_generation(r, cfg.max_model_len)
+
+
+def test_the_scheduler_imports_without_torch():
+    # The scheduling room is bookkeeping: importing it (through the toolkit package) loads no torch.
+    import subprocess
+    import sys
+
+    code = "import sys, toolkit.scheduling; assert 'torch' not in sys.modules, 'torch was imported'"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

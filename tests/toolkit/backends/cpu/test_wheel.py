@@ -18,6 +18,12 @@ pytestmark = pytest.mark.slow
 CHECK = textwrap.dedent("""
     import json, sys, torch
     import toolkit
+    # One import package: every room is under toolkit., nothing of ours at the top of site-packages.
+    from toolkit.attention import paged_attention
+    from toolkit.scheduling import Scheduler
+    from toolkit.speculative import RejectionSampler
+    from toolkit.parallel import setup_parallel
+    from toolkit.cli.main import app
     from toolkit.backends.cpu import build, kernels
     assert "site-packages" in toolkit.__file__, toolkit.__file__
     unavailable = kernels.load()
@@ -62,3 +68,5 @@ def test_installed_wheel_ships_and_builds_its_kernels(tmp_path):
     assert report["unavailable"] == {}, report["unavailable"]
     assert all(source.startswith(str(fresh_site)) for source in report["sources"])
     assert report["error"] < 1e-4
+    tops = {p.name for p in fresh_site.iterdir()} - {"deps.pth", "__pycache__"}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"toolkit"}, tops

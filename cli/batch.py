@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from toolkit.cli.jobs import Job, LineError, encode
+from toolkit.cli.jobs import Job, LineError, encode, parts
 from toolkit.cli.progress import Reporter
 from toolkit.cli.stats import RunStats
 from toolkit.engine import Engine
@@ -32,6 +32,7 @@ class BatchRunner:
         self.window = window
         self.fail_fast = fail_fast
         self.pending: dict[str, Job] = {}  # engine request id -> its job
+        self.finished_parts: dict[int, dict[str, RequestOutput]] = {}  # a list-of-prompts line's outputs so far
 
     def run(self, jobs: Iterable[Job]) -> None:
         jobs = iter(jobs)
@@ -51,22 +52,35 @@ class BatchRunner:
         if job.error is not None:
             self._fail(job, job.error)
             return
+        jobs = parts(job)
         try:
-            prompt_ids = encode(self.engine, job)
+            prompt_ids = [encode(self.engine, part) for part in jobs]  # all, before any of them runs
         except LineError as e:
             self._fail(job, f"line {job.line}: {e}")
             return
         # The line number is unique in the file and stable across resumed runs.
-        request_id = str(job.line)
-        self.engine.add_request(request_id, prompt_ids, job.params, prompt=job.prompt)
-        self.pending[request_id] = job
+        request_ids = [str(job.line)] if job.prompts is None else [f"{job.line}.{i}" for i in range(len(jobs))]
+        if job.prompts is not None:
+            self.finished_parts[job.line] = {}
+        for request_id, ids, part in zip(request_ids, prompt_ids, jobs):
+            self.engine.add_request(request_id, ids, part.params, prompt=part.prompt)
+            self.pending[request_id] = job
 
     def _finish(self, job: Job, out: RequestOutput) -> None:
-        if out.error:  # e.g. the scheduler found the request can never fit in the KV cache
-            self._fail(job, f"line {job.line}: {out.error}")
+        outs = [out]
+        if job.prompts is not None:  # one record once every prompt of the line is done
+            done = self.finished_parts[job.line]
+            done[out.request_id] = out
+            if len(done) < len(job.prompts):
+                return
+            outs = [done[f"{job.line}.{i}"] for i in range(len(job.prompts))]
+            del self.finished_parts[job.line]
+        error = next((o.error for o in outs if o.error), None)
+        if error:  # e.g. the scheduler found the request can never fit in the KV cache
+            self._fail(job, f"line {job.line}: {error}")
             return
-        self.write(self.records.success(job, out))
-        self.reporter.advance(self.stats.add_output(out))
+        self.write(self.records.success(job, out if job.prompts is None else outs))
+        self.reporter.advance(sum(self.stats.add_output(o) for o in outs))
 
     def _fail(self, job: Job, message: str) -> None:
         if self.fail_fast:

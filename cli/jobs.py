@@ -35,6 +35,19 @@ class Job:
     params: SamplingParams | None = None
     error: str | None = None  # set: the line cannot run; the message starts with "line N:"
     own_seed: bool = False  # the line gave its own "seed" (else the run's --seed is derived per line)
+    # OpenAI's list of prompts (strings or token-id lists) in one /v1/completions body: one engine
+    # request each (`parts`), answered together in one record.
+    prompts: list[str | list[int]] | None = None
+    model: str | None = None  # an OpenAI body's "model": what its response reports
+    input_sha: str | None = None  # the raw line's fingerprint, recorded so a resume can check it (cli/fingerprint.py)
+
+
+def parts(job: Job) -> list[Job]:
+    """The one-prompt jobs a job runs as: itself, or one per prompt of its list of prompts."""
+    if job.prompts is None:
+        return [job]
+    return [dataclasses.replace(job, prompts=None, prompt=p if isinstance(p, str) else None,
+                                prompt_token_ids=None if isinstance(p, str) else p) for p in job.prompts]
 
 
 def failed(line: int, job_id: Any, message: str) -> Job:
@@ -154,6 +167,8 @@ def encode(engine, job: Job) -> list[int]:
         raise LineError(f"could not tokenize the prompt: {e}") from None
     try:
         engine.validate_prompt(ids, "prompt")
+        if job.params is not None:  # logit_bias and allowed_token_ids name ids of this model's vocabulary
+            job.params.check_vocab(engine.model_config.vocab_size)
     except ValueError as e:
         raise LineError(str(e)) from None
     return ids

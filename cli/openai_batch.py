@@ -12,7 +12,8 @@ import time
 import uuid
 
 from toolkit.cli.jobs import Job, LineError, failed, load_object, normalize_messages, token_ids, with_overrides
-from toolkit.outputs import RequestOutput
+from toolkit.detokenizer import IncrementalDetokenizer
+from toolkit.outputs import CompletionOutput, Logprob, RequestOutput
 from toolkit.sampling_params import SamplingParams
 
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
@@ -20,7 +21,7 @@ REQUEST_KEYS = {"custom_id", "method", "url", "body"}
 # Fields that do not change what is generated: accepted and not used.
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options"}
 # Fields accepted only at their "off" value: anything else asks for a feature this toolkit lacks.
-OFF_VALUES = {"stream": (None, False), "echo": (None, False), "logit_bias": (None, {}), "suffix": (None, ""),
+OFF_VALUES = {"stream": (None, False), "echo": (None, False), "suffix": (None, ""),
               "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
 
 
@@ -33,8 +34,8 @@ def parse_request(line: int, raw: bytes, base: SamplingParams) -> Job:
             raise LineError("custom_id must be a non-empty string")
         _check_envelope(obj)
         kind = URLS[obj["url"]]
-        job = Job(line=line, id=custom_id, kind=kind)
         body = dict(obj["body"])
+        job = Job(line=line, id=custom_id, kind=kind, model=_model(body))
         _set_prompt(job, body)
         overrides = _sampling_overrides(body, kind)
         job.params, job.own_seed = with_overrides(base, overrides), "seed" in overrides
@@ -66,17 +67,32 @@ def _set_prompt(job: Job, body: dict) -> None:
     if "prompt" not in body:
         raise LineError("a /v1/completions body needs prompt")
     prompt = body.pop("prompt")
-    # OpenAI allows a batch of prompts in one request; one prompt per line keeps one record per line.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    # OpenAI's batch of prompts: a list of strings or of token-id lists (a flat list is one prompt's ids).
+    many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = [_one_prompt(p) for p in prompt] if many else [_one_prompt(prompt)]
+    if len(prompts) > 1:
+        job.prompts = prompts
+    elif isinstance(prompts[0], str):
+        job.prompt = prompts[0]
+    else:
+        job.prompt_token_ids = prompts[0]
+
+
+def _one_prompt(prompt) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise LineError("prompt is empty")
-        job.prompt = prompt
-    elif isinstance(prompt, list):
-        job.prompt_token_ids = token_ids(prompt, "prompt")
-    else:
-        raise LineError("prompt must be a string or a list of token ids (one prompt per line)")
+        return prompt
+    if isinstance(prompt, list):
+        return token_ids(prompt, "prompt")
+    raise LineError("prompt must be a string, a list of token ids, or a list of either")
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise LineError(f"model must be a string, got {type(model).__name__}")
+    return model
 
 
 def _sampling_overrides(body: dict, kind: str) -> dict:
@@ -108,17 +124,20 @@ class OpenAIRecords:
         self.model_name = model_name
         self.tokenizer = tokenizer
 
-    def success(self, job: Job, out: RequestOutput) -> dict:
+    def success(self, job: Job, out: RequestOutput | list[RequestOutput]) -> dict:
+        """`out`: a list for a list of prompts; its choices go in prompt order, numbered prompt * n + i."""
+        outs = out if isinstance(out, list) else [out]
         chat = job.kind == "chat"
-        completion = sum(len(c.token_ids) for c in out.outputs)
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         body = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [self._choice(c, chat, job.params.logprobs) for c in out.outputs],
-            "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
-                      "total_tokens": len(out.prompt_token_ids) + completion},
+            "model": job.model or self.model_name,  # the name the request used, as a server answers
+            "choices": [self._choice(c, p * job.params.n + c.index, o.prompt_token_ids, chat, job.params)
+                        for p, o in enumerate(outs) for c in o.outputs],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         }
         response = {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body}
         return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": job.id, "response": response,
@@ -128,32 +147,45 @@ class OpenAIRecords:
         return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": job.id, "response": None,
                 "error": {"code": "invalid_request", "message": message}, "line": job.line}
 
-    def _choice(self, c, chat: bool, top_k: int | None) -> dict:
-        logprobs = None if c.logprobs is None else self._logprobs(c, chat, top_k or 0)
+    def _choice(self, c: CompletionOutput, index: int, prompt_ids: list[int], chat: bool,
+                params: SamplingParams) -> dict:
+        logprobs = None if c.logprobs is None else self._logprobs(c, prompt_ids, chat, params)
         if chat:
             message = {"role": "assistant", "content": c.text}
-            return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
-        return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
-    def _logprobs(self, c, chat: bool, top_k: int) -> dict:
-        tokens = [self._token(t) for t in c.token_ids]
-        chosen = [lp[t] for t, lp in zip(c.token_ids, c.logprobs)]
-        tops = [sorted(lp.items(), key=lambda kv: -kv[1])[:top_k] for lp in c.logprobs]
+    def _logprobs(self, c: CompletionOutput, prompt_ids: list[int], chat: bool, params: SamplingParams) -> dict:
+        # Token strings are vLLM's (each token decoded alone, special tokens shown, as OpenAI shows them).
+        tokens = [_token(t, lp[t]) for t, lp in zip(c.token_ids, c.logprobs)]
+        chosen = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+        tops = [sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:params.logprobs or 0] for lp in c.logprobs]
         if chat:
             return {"content": [
-                {**self._entry(tok, lp), "top_logprobs": [self._entry(self._token(t), v) for t, v in top]}
+                {**self._entry(tok, lp), "top_logprobs": [self._entry(_token(t, v), v.logprob) for t, v in top]}
                 for tok, lp, top in zip(tokens, chosen, tops)
             ]}
-        offsets, at = [], 0
-        for tok in tokens:
-            offsets.append(at)
-            at += len(tok)
-        return {"tokens": tokens, "token_logprobs": chosen, "text_offset": offsets,
-                "top_logprobs": [{self._token(t): v for t, v in top} for top in tops]}
+        return {"tokens": tokens, "token_logprobs": chosen, "text_offset": self._text_offsets(c, prompt_ids, params),
+                "top_logprobs": [{_token(t, v): v.logprob for t, v in top} for top in tops]}
 
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+    def _text_offsets(self, c: CompletionOutput, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """Where each token's text starts in the returned text. Token strings do not add up to it (a
+        special token hidden by skip_special_tokens, a character split over tokens, a stop string cut),
+        so the text is replayed as the engine built it: a token that adds nothing gets the length so far."""
+        if self.tokenizer is None:
+            return [0] * len(c.token_ids)  # no text
+        replay = IncrementalDetokenizer(self.tokenizer, prompt_ids,
+                                        SamplingParams(skip_special_tokens=params.skip_special_tokens))
+        offsets = []
+        for token in c.token_ids:
+            offsets.append(min(len(replay.output_text), len(c.text)))
+            replay.add_tokens([token])
+        return offsets
 
     @staticmethod
     def _entry(token: str, logprob: float) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _token(token_id: int, logprob: Logprob) -> str:
+    return logprob.decoded_token if logprob.decoded_token is not None else str(token_id)

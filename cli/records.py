@@ -37,8 +37,9 @@ def _completion(c: CompletionOutput) -> dict:
     out = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
            "stop_reason": c.stop_reason}
     if c.logprobs is not None:
-        # JSON object keys are strings: {"token id": logprob} per generated token.
-        out["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in c.logprobs]
+        # JSON object keys are strings: {"token id": logprob} per generated token (the shape records
+        # had before Logprob objects: resumed runs append to older files).
+        out["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]
         out["cumulative_logprob"] = c.cumulative_logprob
     return out
 

@@ -59,6 +59,9 @@ class Request:
     cache_salt: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1
+    # The engine wants logits at prompt positions too (SamplingParams.prompt_logprobs): such a request
+    # reads no cached prefix, whose logits were never computed. The engine clears it once it has them.
+    wants_prompt_logits: bool = False
 
     def __post_init__(self) -> None:
         # Callers naturally pass lists or sets; the scheduler relies on a private, hashable copy.

@@ -66,6 +66,7 @@ class ScheduledRequest:
     block_table: list[int]
     samples: bool
     num_draft_tokens: int = 0  # the last this many of token_ids are drafts to verify
+    num_prompt_logits: int = 0  # the first this many of token_ids also want logits: their next token is a prompt token
 
 
     @property
@@ -349,8 +350,9 @@ class Scheduler:
                       request.num_prompt_tokens // self.config.block_size]
 
     def _next_block_in_flight(self, request: Request, in_flight: set) -> bool:
-        if self.config.preemption_mode == "swap" and self.connector.swapped_tokens(request.request_id):
-            return False
+        if request.wants_prompt_logits or (self.config.preemption_mode == "swap"
+                                           and self.connector.swapped_tokens(request.request_id)):
+            return False  # it reads no cached block, so it gains nothing by waiting for one
         hit = len(self.kv_cache.cached_prefix(request))
         return hit < self.kv_cache.max_cached_blocks(request) and self.kv_cache.block_hashes(request)[hit] in in_flight
 
@@ -360,7 +362,7 @@ class Scheduler:
         connector's tiers. None (taking nothing) when the blocks are short."""
         swapped = self.connector.swapped_tokens(request.request_id) if self.config.preemption_mode == "swap" else 0
         cached, num_external, hashes = [], 0, []
-        if not swapped and self.config.enable_prefix_caching:
+        if not swapped and self.config.enable_prefix_caching and not request.wants_prompt_logits:
             cached = self.kv_cache.cached_prefix(request)
             if self.connector is not None:
                 hashes = self.kv_cache.block_hashes(request)[len(cached):self.kv_cache.max_cached_blocks(request)]
@@ -377,7 +379,7 @@ class Scheduler:
         elif num_external:
             self.connector.blocks_allocated(request, block_table[len(cached):len(cached) + num_external],
                                             hashes[:num_external])
-        if not swapped:
+        if not swapped and not request.wants_prompt_logits:
             self._admissions[request.request_id] = (request.num_tokens, len(cached) * self.config.block_size,
                                                     num_external * self.config.block_size)
         if request.num_cached_tokens < 0:
@@ -418,6 +420,8 @@ class Scheduler:
             block_table=block_table,
             samples=start + num_new == request.num_tokens,
             num_draft_tokens=num_drafts,
+            num_prompt_logits=max(0, min(start + num_new, request.num_prompt_tokens - 1) - start)
+            if request.wants_prompt_logits else 0,
         )
 
     # ---- after the model ran ------------------------------------------------------------------

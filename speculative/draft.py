@@ -19,7 +19,7 @@ import time
 import torch
 
 from toolkit.scheduling import Request, ScheduledRequest
-from toolkit.sampler import STREAM_DRAFT, Sampler, argmax_rows, uses_penalties
+from toolkit.sampler import STREAM_DRAFT, Sampler, argmax_rows, uses_logits_processors, uses_penalties
 from toolkit.sampling_params import SamplingParams
 
 
@@ -90,7 +90,9 @@ class DraftModelProposer:
 
 
 def _plain_greedy(params: list[SamplingParams], rows: list[int]) -> bool:
-    return all(params[i].is_greedy and not uses_penalties(params[i]) for i in rows)
+    # The loop takes the raw argmax: a request with a logit bias or allowed ids must go through the sampler.
+    return all(params[i].is_greedy and not uses_penalties(params[i]) and not uses_logits_processors(params[i])
+               for i in rows)
 
 
 class GreedyDraftLoop:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.outputs import Logprob
 from toolkit.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, Sampler, argmax_rows, gather_logprobs, uses_penalties
 from toolkit.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ from toolkit.sampling_params import SamplingParams
 @dataclass
 class Verified:
     token_ids: list[list[int]]  # per request: its accepted drafts, then one token of the target's
-    logprobs: list[list[dict[int, float] | None]]  # per request and kept token (None entries: not asked for)
+    logprobs: list[list[dict[int, Logprob] | None]]  # per request and kept token (None entries: not asked for)
 
     def num_accepted(self, i: int) -> int:
         return len(self.token_ids[i]) - 1

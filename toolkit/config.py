@@ -12,6 +12,7 @@ not implement instead of silently computing something else.
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from dataclasses import dataclass, field, replace
@@ -63,6 +64,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None  # None: 0.9 of free memory on CUDA, 0.3 on a CPU host
+    # vLLM's: the share of the GPU's total memory this engine may hold; the KV cache gets what the weights
+    # (and whatever else is on the GPU) leave of it. Not used on CPU, where kv_cache_memory_fraction sizes it.
+    gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
     # None: the device backend's own (triton on CUDA, the C++ kernels on CPU where built, else torch).
     attention_backend: str | None = None
@@ -70,6 +74,11 @@ class EngineConfig:
     seed: int | None = 0
     skip_tokenizer_init: bool = False
     tokenizer: str | None = None  # a folder with the tokenizer files (vLLM's name); None: the model folder
+    # Accepted for vLLM's sake: the toolkit runs only its own model code, never a checkpoint's.
+    trust_remote_code: bool = False
+    # Default SamplingParams (LLM.get_default_sampling_params): "auto" reads the model folder's
+    # generation_config.json, "vllm" uses vLLM's defaults, any other value is a folder holding one.
+    generation_config: str = "auto"
     # vLLM's meaning; tp * dp processes started by torchrun (see parallel/). 1 x 1: one process.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -102,6 +111,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        self._check_vllm_fields()
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
@@ -116,6 +126,19 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.cpu_linear not in envs.CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(envs.CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
+
+    def _check_vllm_fields(self) -> None:
+        util = self.gpu_memory_utilization
+        if util is not None:
+            if not isinstance(util, numbers.Real) or isinstance(util, bool) or not 0 < util <= 1:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+            if self.kv_cache_memory_bytes is not None or self.kv_cache_memory_fraction is not None:
+                raise ValueError("gpu_memory_utilization and kv_cache_memory_bytes/kv_cache_memory_fraction both "
+                                 "size the KV cache: pass one")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code must be a bool, got {self.trust_remote_code!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
 
     def _check_kv_hierarchy(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_cache_size"):
@@ -194,14 +217,12 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype) -> to
 
 
 def load_model_config(path: str | os.PathLike) -> ModelConfig:
-    from transformers import AutoConfig
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder not found: {path}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model folder {path}")
-    hf = AutoConfig.from_pretrained(path)
+    hf = _read_hf_config(path)
     arch = _architecture(hf, path)
     _check_supported_options(hf, arch)
 
@@ -237,6 +258,21 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
         eos_token_ids=eos_ids,
         bos_token_id=getattr(hf, "bos_token_id", None),
     )
+
+
+def _read_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)  # never trust_remote_code: the toolkit runs only its own model code
+    except ValueError:
+        raw = json.loads((path / "config.json").read_text())
+        if "auto_map" not in raw:
+            raise
+        # transformers' message would say "set trust_remote_code=True", which cannot help here.
+        named = ", ".join(raw.get("architectures") or []) or "none named in config.json"
+        raise UnsupportedModelError(f"unsupported architecture in {path}: {named} (the checkpoint's own code); "
+                                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from None
 
 
 def _architecture(hf, path) -> str:

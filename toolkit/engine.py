@@ -19,12 +19,13 @@ import torch
 from toolkit.parallel import setup_parallel
 from toolkit.scheduling import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 from toolkit import backends
-from toolkit.config import EngineConfig, ModelConfig, check_device, check_sliding_window, load_model_config
+from toolkit.config import (EngineConfig, ModelConfig, UnsupportedModelError, check_device, check_sliding_window,
+                            load_model_config)
 from toolkit.detokenizer import IncrementalDetokenizer
 from toolkit.kv_hierarchy import build_kv_hierarchy
-from toolkit.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from toolkit.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from toolkit.runner import ModelRunner
-from toolkit.sampler import Sampler
+from toolkit.sampler import Sampler, logprob_entries
 from toolkit.sampling_params import SamplingParams, child_seed
 from toolkit.tokenizer import TOKENIZER_FILES, eos_token_ids, load_tokenizer
 
@@ -47,7 +48,7 @@ class _Tracked:
     index: int
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
 
 
@@ -63,12 +64,13 @@ class _Group:
     done: dict[int, CompletionOutput] = field(default_factory=dict)
     error: str | None = None
     num_cached_tokens: int = 0  # the first sequence's
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled by the first sequence's prefill
 
 
 class Engine:
     def __init__(self, config: EngineConfig):
         check_device(config)
-        self.model_config: ModelConfig = load_model_config(config.model)
+        self.model_config: ModelConfig = _load_model_config(config)
         mc = self.model_config
         # Joins the process group when tp * dp > 1; checks the sizes against the world and the heads first.
         self.parallel = setup_parallel(config.tensor_parallel_size, config.data_parallel_size, config.device, mc)
@@ -199,6 +201,7 @@ class Engine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate()  # fields may have changed since the SamplingParams was built
+        params.check_vocab(self.model_config.vocab_size)
         if priority and self.config.scheduling_policy != "priority":
             raise ValueError(f"request {request_id!r} has priority {priority} but scheduling_policy is "
                              f"{self.config.scheduling_policy!r}; pass scheduling_policy='priority'")
@@ -207,6 +210,8 @@ class Engine:
         self.validate_prompt(prompt_token_ids, f"prompt of request {request_id!r}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt, list(prompt_token_ids), RequestMetrics(arrival_time=arrival))
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prompt_token_ids)
         self._groups[request_id] = group
         max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
@@ -223,6 +228,8 @@ class Engine:
                 priority=priority,
                 arrival_time=arrival,
                 cache_salt=cache_salt,
+                # One sequence computes the prompt's logprobs; the others may still share cached blocks.
+                wants_prompt_logits=index == 0 and params.prompt_logprobs is not None and len(prompt_token_ids) > 1,
             )
             group.children.append(child_id)
             self._tracked[child_id] = _Tracked(
@@ -346,6 +353,10 @@ class Engine:
         after a verify step its accepted drafts and one more."""
         inputs = self.runner.prepare(plan.scheduled)
         logits = self.runner.execute(inputs)
+        if inputs.num_prompt_rows:
+            num_sampled = logits.shape[0] - inputs.num_prompt_rows
+            self._add_prompt_logprobs(plan, logits[num_sampled:])
+            logits = logits[:num_sampled]
         sampling = [r for r in plan.scheduled if r.samples]
         if not sampling:
             return {}, {}
@@ -389,8 +400,8 @@ class Engine:
             if tracked.logprobs is not None:
                 for token, lp in zip(new[:kept], logprobs[rid]):
                     if lp is not None:
-                        tracked.logprobs.append(lp)
-                        tracked.cumulative_logprob += lp[token]
+                        tracked.logprobs.append(self._with_text(lp))
+                        tracked.cumulative_logprob += lp[token].logprob
             if stop is None:
                 continue
             if req.status.is_finished:
@@ -400,6 +411,32 @@ class Engine:
                 stopped.append(req)
             req.stop_reason = stop
         return stopped
+
+    def _add_prompt_logprobs(self, plan: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Prompt logprobs from this step's prompt rows (in scheduled order): the logits at position p
+        give prompt token p + 1's entry. A recompute after preemption writes the same entries again."""
+        chunks = [r for r in plan.scheduled if r.num_prompt_logits]
+        targets, ks = [], []
+        for r in chunks:
+            tracked = self._tracked[r.request_id]
+            first = r.start_position + 1
+            targets += tracked.request.prompt_token_ids[first: first + r.num_prompt_logits]
+            ks += [tracked.params.prompt_logprobs] * r.num_prompt_logits
+        entries = logprob_entries(logits, torch.tensor(targets, device=logits.device), ks)
+        at = 0
+        for r in chunks:
+            tracked, first, n = self._tracked[r.request_id], r.start_position + 1, r.num_prompt_logits
+            self._groups[tracked.parent_id].prompt_logprobs[first: first + n] = map(self._with_text, entries[at: at + n])
+            at += n
+            if first + n == tracked.request.num_prompt_tokens:
+                tracked.request.wants_prompt_logits = False  # all computed: a recompute may use the cache
+
+    def _with_text(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """vLLM's decoded_token: each token decoded alone, special tokens shown."""
+        if self.tokenizer is not None:
+            for token, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([token])
+        return entry
 
     @staticmethod
     def _detokenize(tracked: _Tracked, tokens: list[int]) -> tuple[int, str | None]:
@@ -457,8 +494,19 @@ class Engine:
                 metrics=group.metrics,
                 error=group.error,
                 num_cached_tokens=group.num_cached_tokens,
+                prompt_logprobs=group.prompt_logprobs,
             )
         ]
+
+
+def _load_model_config(config: EngineConfig) -> ModelConfig:
+    try:
+        return load_model_config(config.model)
+    except UnsupportedModelError as e:
+        if not config.trust_remote_code:
+            raise
+        raise UnsupportedModelError(f"{e}; trust_remote_code=True cannot help: the toolkit never runs a "
+                                    "checkpoint's own code, only the architectures it implements") from None
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -26,9 +26,12 @@ class StepInputs:
     input_ids: torch.Tensor  # [T_padded] int64
     positions: torch.Tensor  # [T_padded] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64: the last packed token of each request that samples (and its drafts)
+    # [S + P] int64: the last packed token of each request that samples (and its drafts), then the
+    # prompt positions whose logits a request wants (ScheduledRequest.num_prompt_logits)
+    logits_indices: torch.Tensor
     num_tokens: int  # T before padding
     decode_only: bool = False  # every request feeds one token and samples
+    num_prompt_rows: int = 0  # P: the last P logits rows are prompt positions, after every sampled row
 
 
 def build(scheduled: list[ScheduledRequest], *, block_size: int, num_blocks: int, backend: str, device: torch.device,
@@ -43,6 +46,7 @@ def build(scheduled: list[ScheduledRequest], *, block_size: int, num_blocks: int
     starts = [0]
     tables: list[list[int]] = []
     sampled: list[int] = []
+    prompt_rows: list[int] = []  # go after every sampled row: a sampler reads the same rows with or without them
     for r in scheduled:
         start, n = r.start_position, len(r.token_ids)
         end = start + n
@@ -64,6 +68,7 @@ def build(scheduled: list[ScheduledRequest], *, block_size: int, num_blocks: int
         if r.samples:
             # A verify step samples after its last token and after each draft (speculative/).
             sampled += range(starts[-1] - 1 - r.num_draft_tokens, starts[-1])
+        prompt_rows += range(starts[-2], starts[-2] + r.num_prompt_logits)
     num_tokens = len(ids)
     decode_only = num_tokens == len(scheduled) and len(sampled) == num_tokens
     padding = max(0, MIN_TOKENS - num_tokens) if pad_tokens or rows_are_tokens else 0
@@ -87,7 +92,8 @@ def build(scheduled: list[ScheduledRequest], *, block_size: int, num_blocks: int
         backend=backend,
         decode_only=decode_only,
     )
-    return StepInputs(as_int64(ids), as_int64(positions), meta, as_int64(sampled), num_tokens, decode_only)
+    return StepInputs(as_int64(ids), as_int64(positions), meta, as_int64(sampled + prompt_rows), num_tokens,
+                      decode_only, len(prompt_rows))
 
 
 def mark_dynamic_sizes(inputs: StepInputs, tokens_backed: bool, rows_are_tokens: bool) -> None:

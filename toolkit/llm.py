@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from toolkit import vllm_args
 from toolkit.parallel import gather_outputs, is_main_process, my_share, request_cost
 from toolkit.config import EngineConfig
 from toolkit.engine import Engine
@@ -21,8 +22,16 @@ PromptType = str | dict
 
 class LLM:
     def __init__(self, model: str, **engine_kwargs):
-        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+        self.engine = Engine(EngineConfig(model=model, **vllm_args.engine_kwargs(engine_kwargs)))
         self._counter = 0
+        # Read once, at start, so a bad generation_config.json fails here and not at the first generate.
+        self._default_sampling = generation_defaults(self.engine.config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what generate uses without sampling_params. generation_config.json's temperature, top_p,
+        top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens) where it sets them, else
+        SamplingParams' own defaults; EngineConfig.generation_config="vllm" ignores the file."""
+        return SamplingParams(**self._default_sampling)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -57,6 +66,11 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        for i, p in enumerate(params):
+            try:
+                p.check_vocab(self.engine.model_config.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"sampling_params {i}: {e}") from None
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")
         if priority is not None and any(priority) and self.engine.config.scheduling_policy != "priority":
@@ -70,13 +84,20 @@ class LLM:
         mine = my_share(state, costs)
         first, self._counter = self._counter, self._counter + len(prompts)
         ids = []
-        for i in mine:
-            (text, token_ids), rid = encoded[i], str(first + i)
-            salt = prompts[i].get("cache_salt") if isinstance(prompts[i], dict) else None
-            self.engine.add_request(rid, token_ids, params[i], prompt=text, priority=priority[i] if priority else 0,
-                                    cache_salt=salt)
-            ids.append(rid)
-        results = {out.request_id: out for out in self._run(len(ids), use_tqdm and is_main_process())}
+        try:
+            for i in mine:
+                (text, token_ids), rid = encoded[i], str(first + i)
+                salt = prompts[i].get("cache_salt") if isinstance(prompts[i], dict) else None
+                self.engine.add_request(rid, token_ids, params[i], prompt=text,
+                                        priority=priority[i] if priority else 0, cache_salt=salt)
+                ids.append(rid)
+            results = {out.request_id: out for out in self._run(len(ids), use_tqdm and is_main_process())}
+        except BaseException:
+            # Ctrl-C (or a fault that ends the call): nothing of this call stays in the engine to
+            # surface in the next generate().
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return gather_outputs(state, mine, [results[rid] for rid in ids], len(prompts))
 
     def chat(
@@ -117,10 +138,9 @@ class LLM:
             raise ValueError(f"prompt {index}: cache_salt must be a string")
         return text, token_ids
 
-    @staticmethod
-    def _params_per_prompt(params, n: int) -> list[SamplingParams]:
+    def _params_per_prompt(self, params, n: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(params, SamplingParams):
             params = [params] * n
         params = list(params)
@@ -149,6 +169,35 @@ class LLM:
                     elapsed = progress.tasks[0].elapsed or 1e-9
                     progress.update(task, advance=1, rate=f"{tokens / elapsed:.0f} tok/s")
                     yield out
+
+
+# generation_config.json's keys that vLLM turns into default sampling parameters, and their names here.
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(config: EngineConfig) -> dict:
+    """SamplingParams keywords from generation_config.json (EngineConfig.generation_config), checked."""
+    import json
+    from pathlib import Path
+
+    if config.generation_config == "vllm":
+        return {}
+    folder = Path(config.model if config.generation_config == "auto" else config.generation_config)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if config.generation_config != "auto":
+            raise FileNotFoundError(f"generation_config={config.generation_config!r}: no {path}")
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        found = {ours: raw[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if raw.get(theirs) is not None}
+        SamplingParams(**found)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if found:
+        log.info("default sampling parameters from %s: %s", path, found)
+    return found
 
 
 def _token_id_list(ids, index: int) -> list[int]:

@@ -30,6 +30,16 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """vLLM's: one token's log probability under the model's raw distribution (before penalties and
+    filters), its 1-based rank in that whole distribution, and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One of the n sequences generated for a request."""
 
@@ -37,7 +47,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: its top-k and the sampled one
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None: EOS, as in vLLM)
 
@@ -55,3 +65,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (any tier) when first scheduled
+    # SamplingParams.prompt_logprobs: per prompt position, the prompt token's entry plus the top-k;
+    # the first is None (nothing predicts it). None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -92,6 +92,11 @@ class ModelRunner:
         per_token = kv_cache_bytes_per_token(mc.num_layers, self.num_kv_heads, mc.head_dim, c.dtype)
         per_block = per_token * c.block_size
         budget_bytes, fraction = c.kv_cache_memory_bytes, c.kv_cache_memory_fraction
+        if c.gpu_memory_utilization is not None and self.device.type == "cuda":
+            budget_bytes = utilization_budget(*torch.cuda.mem_get_info(self.device), c.gpu_memory_utilization)
+        elif c.gpu_memory_utilization is not None:
+            log.warning("gpu_memory_utilization=%s does not apply on %s: the KV cache takes kv_cache_memory_fraction "
+                        "(default 0.3) of the host's available memory", c.gpu_memory_utilization, self.device.type)
         if budget_bytes is None:
             if fraction is None:
                 # On a GPU the KV cache is the point of the free memory; on a CPU host memory is shared
@@ -123,7 +128,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Float32 logits [S, V] for the requests that sample this step, in scheduled order."""
+        """Float32 logits [S + P, V]: the requests that sample this step, in scheduled order, then the
+        prompt positions that want logits (StepInputs.num_prompt_rows)."""
         if self.config.enforce_eager:
             return self.step(inputs)
         before = num_compiled_graphs()
@@ -151,3 +157,15 @@ def num_compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def utilization_budget(free: int, total: int, utilization: float) -> int:
+    """vLLM's gpu_memory_utilization: the KV cache's bytes when the GPU may be `utilization` full and
+    total - free bytes are in use already (the weights, other processes). vLLM also sets aside its
+    profiled activation peak; here the activations live in the 1 - utilization left over."""
+    budget = int(utilization * total) - (total - free)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization} allows {utilization * total / 2**30:.2f} GiB of the "
+                         f"GPU's {total / 2**30:.2f} GiB, but {(total - free) / 2**30:.2f} GiB are in use already "
+                         "(the weights, other processes): raise it")
+    return budget

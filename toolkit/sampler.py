@@ -1,9 +1,9 @@
 """Batched sampling of one token per row of a logits batch.
 
-Order of operations (vLLM's): penalties -> greedy rows take the argmax -> temperature -> top-k ->
-top-p -> min-p -> sample. All per-row settings become [B, 1] tensors once per call, so every step is
-a handful of batched tensor ops whatever the mix of requests; the only host syncs are reading back
-the sampled ids (and the logprobs, when asked for).
+Order of operations (vLLM's): allowed_token_ids and logit_bias -> penalties -> greedy rows take the
+argmax -> temperature -> top-k -> top-p -> min-p -> sample. All per-row settings become [B, 1] tensors
+once per call, so every step is a handful of batched tensor ops whatever the mix of requests; the only
+host syncs are reading back the sampled ids (and the logprobs, when asked for).
 
 Sampling uses the exponential race: argmax(probs / E) with E ~ Exponential(1) i.i.d. picks token i
 with probability probs[i]. Its randomness is one noise row per request and output position; a seeded
@@ -19,15 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.outputs import Logprob
 from toolkit.sampling_params import SamplingParams, SamplingType
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: {token_id: logprob} for the top `params.logprobs` tokens plus the sampled one,
-    # or None when the request did not ask for logprobs.
-    logprobs: list[dict[int, float] | None]
+    # Per row: {token_id: Logprob} for the top `params.logprobs` tokens plus the sampled one (no
+    # decoded text: the engine holds the tokenizer), or None when the request did not ask for logprobs.
+    logprobs: list[dict[int, Logprob] | None]
 
 
 class Sampler:
@@ -71,16 +72,18 @@ class Sampler:
         (default len(output_token_ids[i])), for callers whose output lists are only read by penalties."""
         _check_batch(logits, request_ids, params, prompt_token_ids, output_token_ids)
         logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
-        processed = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        processed = apply_penalties(apply_logits_processors(logits, params), params, prompt_token_ids,
+                                    output_token_ids)
         positions = [len(out) for out in output_token_ids] if positions is None else positions
         return self._sample(processed, request_ids, params, positions)
 
     def probabilities(self, logits: torch.Tensor, params: list[SamplingParams], prompt_token_ids: list[list[int]],
                       output_token_ids: list[list[int]]) -> torch.Tensor:
-        """[B, V] float32: the distribution each row samples from, after penalties, temperature,
+        """[B, V] float32: the distribution each row samples from, after allowed_token_ids, logit_bias,
+        penalties, temperature,
         top-k, top-p and min-p (a greedy row's is its temperature-1 distribution; it takes the argmax)."""
         logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
-        logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        logits = apply_penalties(apply_logits_processors(logits, params), params, prompt_token_ids, output_token_ids)
         return self._filtered(logits, params).softmax(dim=-1)
 
     @staticmethod
@@ -202,6 +205,27 @@ def uses_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
+def uses_logits_processors(params: SamplingParams) -> bool:
+    return bool(params.allowed_token_ids or params.logit_bias)
+
+
+def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """vLLM's allowed_token_ids (every other token to -inf) and logit_bias (added), on the raw logits."""
+    rows = [i for i, p in enumerate(params) if uses_logits_processors(p)]
+    if not rows:
+        return logits
+    # Built on the host for the rows that ask only, then added in one out-of-place op.
+    add = torch.zeros(len(rows), logits.shape[1], dtype=logits.dtype)
+    for j, i in enumerate(rows):
+        allowed, bias = params[i].allowed_token_ids, params[i].logit_bias
+        if allowed:
+            add[j] = float("-inf")
+            add[j, allowed] = 0.0
+        if bias:
+            add[j, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+    return logits.index_add(0, torch.tensor(rows, device=logits.device), add.to(logits.device))
+
+
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
                     prompt_token_ids: list[list[int]],
                     output_token_ids: list[list[int]]) -> torch.Tensor:
@@ -276,24 +300,35 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
 
 
 def gather_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor,
-                    params: list[SamplingParams]) -> list[dict[int, float] | None]:
+                    params: list[SamplingParams]) -> list[dict[int, Logprob] | None]:
     """Raw model logprobs (no penalty or filter): the sampled token's plus each row's top ones."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    result: list[dict[int, float] | None] = [None] * len(params)
+    result: list[dict[int, Logprob] | None] = [None] * len(params)
     if not rows:
         return result
     row_index = torch.tensor(rows, device=raw_logits.device)
-    logprobs = raw_logits.index_select(0, row_index).log_softmax(dim=-1)
-    sampled = tokens.index_select(0, row_index).unsqueeze(1)
-    sampled_logprobs = logprobs.gather(1, sampled)
-    most = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
-    top_logprobs, top_ids = logprobs.topk(most, dim=-1)
-    # Whole tensors come back at once: no host round trip per value.
-    sampled, sampled_logprobs, top_logprobs, top_ids = (
-        t.tolist() for t in (sampled, sampled_logprobs, top_logprobs, top_ids))
-    for j, i in enumerate(rows):
-        k = params[i].logprobs
-        entry = {sampled[j][0]: sampled_logprobs[j][0]}
-        entry.update(zip(top_ids[j][:k], top_logprobs[j][:k]))
+    entries = logprob_entries(raw_logits.index_select(0, row_index), tokens.index_select(0, row_index),
+                              [params[i].logprobs for i in rows])
+    for i, entry in zip(rows, entries):
         result[i] = entry
     return result
+
+
+def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[dict[int, Logprob]]:
+    """Per row of float32 `logits` [R, V]: {token: Logprob} for tokens[r] and the row's top ks[r], with
+    vLLM's ranks (top-k: 1..k; the chosen token: how many tokens are at least as likely)."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = tokens.unsqueeze(1)
+    chosen_logprobs = logprobs.gather(1, chosen)
+    ranks = (logprobs >= chosen_logprobs).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(min(max(ks), logprobs.shape[1]), dim=-1)
+    # Whole tensors come back at once: no host round trip per value.
+    chosen, chosen_logprobs, ranks, top_logprobs, top_ids = (
+        t.tolist() for t in (tokens, chosen_logprobs, ranks, top_logprobs, top_ids))
+    out = []
+    for j, k in enumerate(ks):
+        # The top-k go in after the chosen token, so a chosen token among them keeps its top-k rank.
+        entry = {chosen[j]: Logprob(chosen_logprobs[j][0], ranks[j])}
+        entry.update((t, Logprob(v, r)) for r, (t, v) in enumerate(zip(top_ids[j][:k], top_logprobs[j][:k]), 1))
+        out.append(entry)
+    return out

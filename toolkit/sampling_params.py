@@ -7,6 +7,7 @@ an invalid value raises ValueError naming the field and the allowed range.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 # Temperatures below this are treated as greedy: dividing logits by a near-zero temperature
@@ -47,10 +48,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-k (RequestOutput.prompt_logprobs)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    # vLLM's logits processors, applied to the raw logits before penalties and sampling (toolkit/sampler.py).
+    logit_bias: dict[int, float] | None = None  # added to the token's logit (JSON's string keys are taken)
+    allowed_token_ids: list[int] | None = None  # every other token is masked out
 
     def __post_init__(self) -> None:
         self.validate()
@@ -63,6 +68,7 @@ class SamplingParams:
         self._validate_distribution()
         self._validate_penalties()
         self._validate_stops()
+        self._validate_logits_processors()
 
     def _normalize(self) -> None:
         if self.stop is None:
@@ -77,7 +83,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__} "
                              f"{self.stop_token_ids!r}")
         # 5.0 tokens is 5 (OpenAI and vLLM take it); 5.5 is an error below.
-        for name in ("n", "max_tokens", "min_tokens", "logprobs"):
+        for name in ("n", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():
                 setattr(self, name, int(value))
@@ -100,9 +106,10 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.logprobs is not None:
-            _require(_is_int(self.logprobs) and self.logprobs >= 0,
-                     "logprobs must be None or an int >= 0", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(_is_int(value) and value >= 0, f"{name} must be None or an int >= 0", value)
         if self.seed is not None:
             # torch.Generator's range; larger ints would alias others in their low 64 bits.
             _require(_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX,
@@ -133,6 +140,26 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _require(_is_int(t) and t >= 0, "stop_token_ids must hold ints >= 0", t)
 
+    def _validate_logits_processors(self) -> None:
+        if self.logit_bias is not None:
+            _require(isinstance(self.logit_bias, dict), "logit_bias must be a dict of token id -> bias",
+                     self.logit_bias)
+            self.logit_bias = {_token_key(k): _bias_value(k, v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _require(isinstance(ids, (list, tuple)) and len(ids) > 0,
+                     "allowed_token_ids must be None or a non-empty list of ints", ids)
+            for t in ids:
+                _require(_is_int(t) and t >= 0, "allowed_token_ids must hold ints >= 0", t)
+            self.allowed_token_ids = list(ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids in logit_bias and allowed_token_ids must exist; only the engine knows the vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = sorted({t for t in ids if t >= vocab_size})
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_TEMPERATURE_EPS or self.top_k == 1
@@ -156,6 +183,20 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 def child_seed(seed: int, index: int) -> int:
     """The seed of sequence `index` of an n > 1 request: seed + index, wrapped into the seed range."""
     return (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+
+
+def _token_key(key) -> int:
+    # OpenAI's logit_bias is a JSON object, whose keys are strings: "50256" names token 50256.
+    if isinstance(key, str) and key.strip().lstrip("-").isdecimal():
+        key = int(key)
+    _require(_is_int(key) and key >= 0, "logit_bias keys must be token ids (ints >= 0)", key)
+    return key
+
+
+def _bias_value(key: int, value) -> float:
+    # An infinite or NaN bias would turn the whole row's softmax into NaN; -100 already bans a token.
+    _require(_is_number(value) and math.isfinite(value), f"logit_bias[{key!r}] must be a finite number", value)
+    return float(value)
 
 
 def _require(ok: bool, message: str, value) -> None:

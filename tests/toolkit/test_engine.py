@@ -72,8 +72,10 @@ def test_logprobs_are_the_models_log_softmax(llm, ckpt):
         row = ref[len(prompt) - 1 + i]
         assert token in lp and len(lp) >= 3
         for t, value in lp.items():
-            assert value == pytest.approx(row[t].item(), abs=1e-4)
-    assert out.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)), abs=1e-5)
+            assert value.logprob == pytest.approx(row[t].item(), abs=1e-4)
+            assert value.decoded_token == llm.get_tokenizer().decode([t])
+    assert out.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)), abs=1e-5)
 
 
 def test_stop_string_truncates_text(llm):

@@ -258,7 +258,7 @@ def test_repetition_penalty_lowers_a_seen_tokens_probability():
     raw = logits[0].log_softmax(-1)
     for token, entry in zip(out.token_ids[:50], out.logprobs[:50]):
         assert list(entry) == [token]
-        assert math.isclose(entry[token], raw[token].item(), abs_tol=1e-6)
+        assert math.isclose(entry[token].logprob, raw[token].item(), abs_tol=1e-6)
 
 
 def test_presence_and_frequency_shift_output_tokens_only():
@@ -396,7 +396,10 @@ def test_logprobs_are_of_the_raw_distribution_and_include_the_sampled_token():
         assert set(entry) == set(top) | {token}
         assert list(entry)[0] == token
         for token_id, value in entry.items():
-            assert math.isclose(value, reference[row, token_id].item(), abs_tol=1e-5)
+            assert math.isclose(value.logprob, reference[row, token_id].item(), abs_tol=1e-5)
+            # vLLM's rank: 1-based, in the whole raw distribution (no ties in random logits).
+            assert value.rank == 1 + (reference[row] > reference[row, token_id]).sum().item()
+            assert value.decoded_token is None  # the sampler has no tokenizer; the engine fills it in
 
 
 def test_logprobs_in_low_precision_are_computed_in_float32():
@@ -405,4 +408,4 @@ def test_logprobs_in_low_precision_are_computed_in_float32():
     reference = logits.float().log_softmax(-1)
     for row, entry in enumerate(out.logprobs):
         for token_id, value in entry.items():
-            assert math.isclose(value, reference[row, token_id].item(), abs_tol=1e-6)
+            assert math.isclose(value.logprob, reference[row, token_id].item(), abs_tol=1e-6)

@@ -30,6 +30,9 @@ def test_defaults_follow_vllm():
     ("max_tokens", 0, "max_tokens must be"),
     ("min_tokens", -1, "min_tokens must be"),
     ("logprobs", -1, "logprobs must be"),
+    ("prompt_logprobs", -1, "prompt_logprobs must be None or an int >= 0"),
+    ("prompt_logprobs", 1.5, "prompt_logprobs must be"),
+    ("prompt_logprobs", True, "prompt_logprobs must be"),
     ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
     ("repetition_penalty", -1.0, "repetition_penalty must be > 0"),
     ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
@@ -59,7 +62,8 @@ def test_min_tokens_may_not_exceed_max_tokens():
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=0.0), dict(top_p=1.0), dict(top_p=1e-6), dict(top_k=-1), dict(top_k=1),
     dict(min_p=0.0), dict(min_p=1.0), dict(seed=0), dict(seed=-5), dict(max_tokens=None),
-    dict(logprobs=0), dict(presence_penalty=-2.0), dict(frequency_penalty=2.0),
+    dict(logprobs=0), dict(prompt_logprobs=0), dict(prompt_logprobs=5), dict(presence_penalty=-2.0),
+    dict(frequency_penalty=2.0),
     dict(repetition_penalty=0.5),
 ])
 def test_boundary_values_are_accepted(kwargs):

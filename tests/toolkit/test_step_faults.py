@@ -113,3 +113,21 @@ def test_a_failing_draft_proposer_fails_its_requests_and_the_engine_goes_on(ckpt
     assert _all_blocks_free(engine)
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == expected
+
+
+def test_an_interrupted_generate_leaves_nothing_in_the_engine(ckpt, prompts, expected):
+    llm = _llm(ckpt)
+    real_step, calls = llm.engine.step, {"n": 0}
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    llm.engine.step = step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished() and _all_blocks_free(llm.engine)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == expected

@@ -26,6 +26,9 @@ def resolve_model(model: Path | None, warn) -> Path:
     """The model folder to load, checked enough to fail in one line rather than deep in loading."""
     if model is None:
         if (TRAINED_MODEL / "config.json").is_file():
+            # Its answers are a 12M-parameter model's: say so, or a first user judges the toolkit by them.
+            warn(f"no --model given: using the built-in demo model ({TRAINED_MODEL}), a small model for trying "
+                 "the toolkit out. Pass --model PATH (a Hugging Face model folder) for real output.")
             return TRAINED_MODEL
         path = ensure_random_model(cache_root() / RANDOM_MODEL_NAME)
         warn(f"no trained default model at {TRAINED_MODEL}; using a seeded RANDOM tiny Llama at {path} "

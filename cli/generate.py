@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from contextlib import nullcontext
@@ -16,13 +17,14 @@ from toolkit.cli import options as o
 from toolkit.cli.batch import BatchRunner, LineFailed
 from toolkit.cli.default_model import resolve_model
 from toolkit.cli.errors import EXIT_INTERRUPTED, EXIT_LINE_FAILED, CliError, exit_with, stderr_console
+from toolkit.cli.fingerprint import RunFingerprint, Stamped, input_sha, run_fingerprint
 from toolkit.cli.input_file import detect_format, iter_lines
 from toolkit.cli.jobs import Job, failed, jsonl_job, text_job, with_line_seed
 from toolkit.cli.openai_batch import OpenAIRecords, parse_request
 from toolkit.cli.output_file import OutputLock, RecordWriter, Resume, merge_shards, resume_from, shard_path
 from toolkit.cli.progress import Reporter
 from toolkit.cli.records import NativeRecords
-from toolkit.cli.resume_check import check_input_matches
+from toolkit.cli.resume_check import check_input_matches, check_run_matches
 from toolkit.cli.stats import RunStats, combine_kv, combine_spec, kv_summary, print_summary, summary_line
 from toolkit.sampling_params import SamplingParams
 
@@ -122,6 +124,7 @@ def generate(
     preemption_mode: o.PreemptionOpt = o.PreemptionMode.recompute,
     tp: o.TensorParallelOpt = 1,
     dp: o.DataParallelOpt = 1,
+    verbose: o.VerboseOpt = False,
 ):
     """Generate completions for one prompt or a file of them.
 
@@ -207,11 +210,8 @@ def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict
     job = Job(line=1, id=1, prompt=io.prompt, params=base)
 
     def print_text(record: dict) -> None:
-        if not ranks.main:
-            return
-        for completion in record["outputs"]:
-            sys.stdout.write(completion["text"] + "\n")
-        sys.stdout.flush()
+        if ranks.main:
+            print_completions(record["outputs"], with_logprobs=base.logprobs is not None)
 
     reporter = Reporter(console, total=1, done=0, show_bar=False)
     runner = BatchRunner(engine, NativeRecords(), print_text, RunStats(), reporter, window=1, fail_fast=True)
@@ -220,6 +220,22 @@ def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict
     except LineFailed as e:
         raise CliError(str(e).removeprefix("line 1: "), code=EXIT_LINE_FAILED) from None
     return 0
+
+
+def print_completions(completions: list[dict], with_logprobs: bool) -> None:
+    """The text of each completion on stdout (under a header line when there are several) and, with
+    --logprobs, one JSON line per generated token on stderr: {"completion", "position", "token_id",
+    "logprobs"}, where "logprobs" is the entry the output records carry for that token."""
+    for completion in completions:
+        if len(completions) > 1:
+            sys.stdout.write(f"--- completion {completion['index'] + 1} of {len(completions)} ---\n")
+        sys.stdout.write(completion["text"] + "\n")
+        sys.stdout.flush()
+        if with_logprobs:
+            for position, (token, entry) in enumerate(zip(completion["token_ids"], completion.get("logprobs") or [])):
+                line = {"completion": completion["index"], "position": position, "token_id": token, "logprobs": entry}
+                sys.stderr.write(json.dumps(line) + "\n")
+            sys.stderr.flush()
 
 
 def run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, ranks: Ranks = Ranks()) -> int:
@@ -236,13 +252,15 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
     console = stderr_console() if ranks.main else Console(quiet=True)
     base = base_params(sampling)
     fmt = detect_format(io.input) if io.input_format == "auto" else io.input_format
+    run = fingerprint(model, engine_args, sampling)
     resume, total = Resume({}, 0, 0), 0
     if ranks.main:  # only rank 0 reads (and trims) the output; the other ranks get its answer below
         if ranks.dp > 1:
             merge_shards(io.output)  # shards an interrupted --dp run left behind
         resume = resume_from(io.output) if io.output is not None else Resume({}, 0, 0)
-        # Before the (slow) model load: a reused output path from another input fails at once.
-        total = check_input_matches(io.input, fmt, resume.done, io.output)
+        # Before the (slow) model load: a reused output path from another job fails at once.
+        check_run_matches(resume.runs, run, io.output, model or "the built-in model")
+        total = check_input_matches(io.input, fmt, resume.done, io.output, resume.input_shas)
         if total == 0 and ranks.world == 1:
             console.print(f"[yellow]warning:[/yellow] {io.input} has no prompts (blank lines are skipped): "
                           "nothing to do", soft_wrap=True)
@@ -269,6 +287,7 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
         shown_total = sum(1 for line, _ in iter_lines(io.input) if line % ranks.dp == ranks.replica)
         shown_done = sum(1 for line in resume.done if line % ranks.dp == ranks.replica)
     records = OpenAIRecords(str(model or "toolkit-default"), engine.tokenizer) if fmt == "openai" else NativeRecords()
+    records = Stamped(records, run)
     stats = RunStats(skipped=len(resume.done), skipped_errors=resume.errors)
     where = str(io.output) if io.output else "stdout"
     target = io.output if share is None else shard_path(io.output, ranks.replica, ranks.dp)
@@ -321,7 +340,17 @@ def read_jobs(path: Path, fmt: str, base: SamplingParams, done: dict, share: tup
             job = jsonl_job(line, raw, base)
         else:
             job = text_job(line, raw, base)
+        job.input_sha = input_sha(raw)
         yield with_line_seed(job, base)
+
+
+def fingerprint(model: Path | None, engine_args: dict, sampling: dict) -> RunFingerprint:
+    """What a resumed run must share with the one that wrote the output (cli/fingerprint.py)."""
+    path = resolve_model(model, lambda message: None)  # load_engine resolves it again, and warns
+    try:
+        return run_fingerprint(path, engine_args["dtype"], sampling)
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot load model {path}: {e}") from None
 
 
 def _combine(parts: list[RunStats]) -> RunStats:

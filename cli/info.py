@@ -9,13 +9,16 @@ from typing import Annotated, Optional
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from toolkit.attention.kv_cache import kv_cache_bytes_per_token
 from toolkit.cli import capacity as cap
 from toolkit.cli.default_model import check_model_folder
 from toolkit.cli.errors import CliError, exit_with
-from toolkit.cli.sizes import format_count, format_size, parse_size
+from toolkit.cli.options import VerboseOpt
+from toolkit.cli.sizes import format_size, parse_size
 
 
 def info(
@@ -31,6 +34,7 @@ def info(
         min=1, show_default=False, help="Request length for the concurrency column. Default: max_position_embeddings.")] = None,
     block_size: Annotated[int, typer.Option(min=1, help="KV-cache block size (tokens are counted in whole blocks).")] = 16,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    verbose: VerboseOpt = False,
 ):
     """Model size: parameters, weight and KV bytes, and what fits in a memory budget per TP size.
 
@@ -95,36 +99,58 @@ def build_report(path: Path, budgets: list[int], dtype: str, max_model_len: int 
 def print_report(r: dict, console: Console) -> None:
     match = "matches the checkpoint" if r["parameters_match"] else \
         f"[red]checkpoint tensors hold {r['checkpoint_parameters']:,}[/red]"
-    console.print(f"[bold]{r['model']}[/bold]: {r['architecture']} ({r['family']})")
-    console.print(f"  layers {r['num_layers']}, hidden {r['hidden_size']}, intermediate {r['intermediate_size']}, "
-                  f"vocab {r['vocab_size']}, max positions {r['max_position_embeddings']}")
-    console.print(f"  heads {r['num_heads']}, kv heads {r['num_kv_heads']}, head_dim {r['head_dim']}, "
-                  f"tied embeddings {'yes' if r['tie_word_embeddings'] else 'no'}")
-    console.print(f"  parameters {r['num_parameters']:,} ({match}); stored as "
-                  f"{', '.join(r['checkpoint_tensor_dtypes'])}, {format_size(r['checkpoint_bytes'])}")
-    console.print("  weights " + ", ".join(f"{k} {format_size(v)}" for k, v in r["weight_bytes"].items()))
-    console.print(f"  KV cache {r['kv_bytes_per_token']:,} bytes/token in {r['dtype']} "
-                  f"({format_size(r['kv_bytes_per_token'] * r['max_model_len'])} per {r['max_model_len']}-token request)")
-    console.print(_capacity_table(r))
-
-
-def _capacity_table(r: dict) -> Table:
-    table = Table(title=f"Per GPU, {r['dtype']}, block size {r['block_size']}, requests of "
-                        f"{r['max_model_len']:,} tokens", title_justify="left",
-                  box=box.SIMPLE_HEAD, padding=(0, 1))
-    # Every column but memory and TP is per rank (per GPU).
-    for name in ("memory", "TP", "kv heads", "weights", "KV memory", "KV B/token", "tokens", "requests"):
+    lines = [
+        f"[bold]{escape(r['model'])}[/bold]: {r['architecture']} ({r['family']})",
+        f"  layers {r['num_layers']}, hidden {r['hidden_size']}, intermediate {r['intermediate_size']}, "
+        f"vocab {r['vocab_size']}, max positions {r['max_position_embeddings']}",
+        f"  heads {r['num_heads']}, kv heads {r['num_kv_heads']}, head_dim {r['head_dim']}, "
+        f"tied embeddings {'yes' if r['tie_word_embeddings'] else 'no'}",
+        f"  parameters {r['num_parameters']:,} ({match}); stored as "
+        f"{', '.join(r['checkpoint_tensor_dtypes'])}, {format_size(r['checkpoint_bytes'])}",
+        "  weights " + ", ".join(f"{k} {format_size(v)}" for k, v in r["weight_bytes"].items()),
+        f"  KV cache {r['kv_bytes_per_token']:,} bytes/token in {r['dtype']} "
+        f"({format_size(r['kv_bytes_per_token'] * r['max_model_len'])} per {r['max_model_len']}-token request)",
+    ]
+    for line in lines:
+        console.print(line, soft_wrap=True, highlight=False)  # long lines wrap in the terminal, never cut
+    title, header, rows = _capacity(r)
+    if not console.is_terminal:  # a file or a pipe: aligned plain text, for grep and diff
+        console.print(_plain_table(title, header, rows), soft_wrap=True, markup=False, highlight=False)
+        return
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
+    for name in header:
         table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
+    for row in rows:
+        table.add_row(*[f"[red]{c}[/red]" if c == NO_FIT else c for c in row])
+    # Wider than the terminal rather than a number cut to "…": the terminal wraps, nothing is lost.
+    width = max(console.width, Measurement.get(console, console.options.update_width(10_000), table).maximum)
+    Console(file=console.file, width=width, force_terminal=True, color_system=console.color_system).print(table)
+
+
+NO_FIT = "does not fit"
+
+
+def _capacity(r: dict) -> tuple[str, list[str], list[list[str]]]:
+    """The capacity table's title, header and cells; every column but memory and TP is per rank (per GPU)."""
+    title = f"Per GPU, {r['dtype']}, block size {r['block_size']}, requests of {r['max_model_len']:,} tokens"
+    header = ["memory", "TP", "kv heads", "weights", "KV memory", "KV B/token", "tokens", "requests"]
+    rows = []
     for row in r["capacity"]:
         cells = [format_size(row["memory_bytes"]), str(row["tp"]), str(row["kv_heads_per_rank"]),
                  format_size(row["weight_bytes_per_rank"])]
         if row["fits"]:
             cells += [format_size(row["kv_bytes_per_rank"]), f"{row['kv_bytes_per_token_per_rank']:,}",
-                      format_count(row["tokens"]), format_count(row["requests_at_max_model_len"])]
+                      f"{row['tokens']:,}", f"{row['requests_at_max_model_len']:,}"]
         else:
-            cells += ["[red]does not fit[/red]", f"{row['kv_bytes_per_token_per_rank']:,}", "-", "-"]
-        table.add_row(*cells)
-    return table
+            cells += [NO_FIT, f"{row['kv_bytes_per_token_per_rank']:,}", "-", "-"]
+        rows.append(cells)
+    return title, header, rows
+
+
+def _plain_table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(c) for c in column) for column in zip(header, *rows)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in (header, *rows)]
+    return "\n".join([title, *lines])
 
 
 def _name(dtype) -> str:

@@ -10,13 +10,15 @@ import typer
 import toolkit  # noqa: F401  first: its process defaults must be set before torch loads (toolkit/envs.py)
 from toolkit.cli.bench import bench_app
 from toolkit.cli.generate import generate
+from toolkit.cli.help import GroupedHelpCommand
 from toolkit.cli.info import info
+from toolkit.cli.options import VerboseOpt
 
 app = typer.Typer(
     help="A small, torch.compile-centric LLM inference toolkit. Run `toolkit COMMAND --help` for a command's flags.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,  # a real bug should print a plain traceback, not a wall of locals
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # plain --help (cli/help.py) and plain one-line usage errors
 )
 
 
@@ -33,15 +35,16 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def main(verbose: Annotated[bool, typer.Option(
-        "--verbose", "-v", help="Log engine set-up (KV cache size, compile) to stderr.")] = False,
+def main(verbose: VerboseOpt = False,
          version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the toolkit's version and exit.")] = False):
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+    # --verbose may also come after the command; its callback (options.py) then raises the level.
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)  # also on a second run in-process
 
 
-app.command()(generate)
-app.command()(info)
+app.command(cls=GroupedHelpCommand)(generate)
+app.command(cls=GroupedHelpCommand)(info)
 app.add_typer(bench_app, name="bench")
 
 

@@ -7,6 +7,7 @@ line carries over.
 from __future__ import annotations
 
 import enum
+import logging
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -46,6 +47,15 @@ class CpuLinear(str, enum.Enum):
     onednn = "onednn"
     torch = "torch"
 
+
+def _verbose(value: bool) -> bool:
+    if value:  # after the command: `toolkit generate -v ...` as well as `toolkit -v generate ...`
+        logging.getLogger().setLevel(logging.INFO)
+    return value
+
+
+VerboseOpt = Annotated[bool, typer.Option(
+    "--verbose", "-v", callback=_verbose, help="Log engine set-up (KV cache size, compile) to stderr.")]
 
 # --- model -----------------------------------------------------------------------------------
 

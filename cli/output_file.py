@@ -65,10 +65,13 @@ def lock_output(path: Path):
 class Resume:
     """What an existing output file already answers."""
 
-    def __init__(self, done: dict[int, object], errors: int, torn_bytes: int):
+    def __init__(self, done: dict[int, object], errors: int, torn_bytes: int,
+                 input_shas: dict[int, str] | None = None, runs: dict[tuple, int] | None = None):
         self.done = done  # {input line number: the id its record carries}
         self.errors = errors  # how many of those records are errors
         self.torn_bytes = torn_bytes  # size of the torn last line that was cut off (0: none)
+        self.input_shas = input_shas or {}  # {input line number: its record's input_sha}
+        self.runs = runs or {}  # {(model_sha, settings_sha): the first line whose record has them}
 
 
 def resume_from(path: Path) -> Resume:
@@ -76,8 +79,8 @@ def resume_from(path: Path) -> Resume:
         return Resume({}, 0, 0)
     if not path.is_file():
         raise CliError(f"--output {path} is not a file")
-    done: dict[int, object] = {}
-    errors = good_end = 0
+    resume = Resume({}, 0, 0)
+    good_end = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             if not raw.endswith(b"\n") and _could_be_ours(raw):
@@ -87,13 +90,24 @@ def resume_from(path: Path) -> Resume:
                 if record is None:
                     raise CliError(f"{path} line {number} is not a toolkit output record; "
                                    "pass another --output, or remove the file to start over")
-                done[record["line"]] = record_id(record)
-                errors += record.get("error") is not None
+                _remember(resume, record)
             good_end += len(raw)
-    torn = path.stat().st_size - good_end
-    if torn:
+    resume.torn_bytes = path.stat().st_size - good_end
+    if resume.torn_bytes:
         os.truncate(path, good_end)
-    return Resume(done, errors, torn)
+    return resume
+
+
+def _remember(resume: Resume, record: dict) -> None:
+    line = record["line"]
+    resume.done[line] = record_id(record)
+    resume.errors += record.get("error") is not None
+    # Records written before fingerprints existed have none: they are taken on trust (see resume_check).
+    if record.get("input_sha") is not None:
+        resume.input_shas[line] = record["input_sha"]
+    run = (record.get("model_sha"), record.get("settings_sha"))
+    if run != (None, None):
+        resume.runs.setdefault(run, line)
 
 
 # Both record formats are dicts whose first key is "id", so every record line starts like this.
@@ -132,12 +146,20 @@ class RecordWriter:
 
     def __exit__(self, *exc) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass  # the write that failed said so; its torn line is cut and redone on resume
 
     def write(self, record: dict) -> None:
         out = self._file if self._file is not None else sys.stdout
-        out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        out.flush()
+        try:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()
+        except OSError as e:  # disk full, quota, file size limit: finished records stay, resume redoes the rest
+            where = self.path or "stdout"
+            raise CliError(f"writing {where} failed: {e.strerror or e}; every record before this one is kept: "
+                           "make room and rerun the same command to resume") from None
 
 
 # --- data parallel shards ----------------------------------------------------------------------

@@ -10,11 +10,17 @@ each node (see recipes/run_multinode.sh).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import sys
 
 log = logging.getLogger("toolkit")
+# The pid of the process that ran relaunch(): a worker whose parent is no longer it was orphaned
+# before it could ask to die with its parent (see die_with_parent).
+LAUNCHER_PID_ENV = "TOOLKIT_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def launched_by_torchrun() -> bool:
@@ -27,9 +33,32 @@ def maybe_relaunch(nproc: int, argv: list[str] | None = None) -> int | None:
     None when one process is enough or when already inside a torchrun launch. The CLI does
     `code = maybe_relaunch(tp * dp); if code is not None: sys.exit(code)` before building the LLM.
     """
-    if nproc <= 1 or launched_by_torchrun():
+    if launched_by_torchrun():
+        die_with_parent()
+        return None
+    if nproc <= 1:
         return None
     return relaunch(nproc, argv)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this worker when its launcher (torchrun's agent) dies.
+
+    torchrun starts workers in their own sessions, so a `kill -9` of the launcher reaches none of
+    them and they would go on (reparented to init) holding GPUs and writing shards. Linux only; the
+    signal follows the thread that forked us, which for torchrun's agent is its main thread."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("could not ask to die with the launcher: %s", os.strerror(ctypes.get_errno()))
+        return
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    expected = int(launcher) if launcher else None
+    # The launcher may have died between our fork and the prctl: then no signal will ever come.
+    # (Only checkable for our own relaunch: under a user's torchrun, pid 1 may be torchrun itself.)
+    if expected is not None and os.getppid() != expected:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def relaunch(nproc: int, argv: list[str] | None = None) -> int:
@@ -39,6 +68,8 @@ def relaunch(nproc: int, argv: list[str] | None = None) -> int:
 
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", *_this_program(argv)])
     log.info("relaunching as %d processes through torch.distributed.run", nproc)
+    # The agent runs in this process, so it dies with it; the workers check they are its children.
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         run(args)
     except ChildFailedError as e:

@@ -37,12 +37,14 @@ from toolkit.cli.bench.workload import (
     random_workload,
     workload_summary,
 )
+from toolkit.cli.help import GroupedHelpCommand
+from toolkit.cli.options import VerboseOpt
 
 bench_app = typer.Typer(
     help="Benchmark the engine (throughput, latency) against transformers and vLLM in the same run.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # plain --help, grouped (cli/help.py)
 )
 
 PEERS = ("hf", "vllm")
@@ -53,7 +55,8 @@ ModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", help="Hugging
 ShapeOpt = Annotated[Optional[str], typer.Option(
     "--model-shape", help=f"A built-in seeded random model instead of --model: {', '.join(SHAPES)} (a ~125M Llama, "
     "bf16). Alone it uses dummy weights; with a peer, a real checkpoint cached under ~/.cache/toolkit/bench.")]
-NumOpt = Annotated[int, typer.Option("--num-requests", "-n", min=1, help="Requests in the workload.")]
+# No -n: everywhere else -n is completions per prompt (vLLM's n).
+NumOpt = Annotated[int, typer.Option("--num-requests", min=1, help="Requests in the workload.")]
 InOpt = Annotated[tuple[int, int], typer.Option("--input-len", help="Prompt length range MIN MAX (uniform).")]
 OutOpt = Annotated[tuple[int, int], typer.Option("--output-len", help="Output length range MIN MAX (uniform).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Workload seed: the same seed gives the same requests.")]
@@ -109,7 +112,7 @@ BracketOpt = Annotated[bool, typer.Option(
     "both runs as one, so a machine that speeds up or slows down during the bench moves both sides alike.")]
 
 
-@bench_app.command()
+@bench_app.command(cls=GroupedHelpCommand)
 def throughput(
     model: ModelOpt = None,
     model_shape: ShapeOpt = None,
@@ -146,12 +149,13 @@ def throughput(
     bandwidth_mib: BandwidthOpt = 512,
     progress: ProgressOpt = True,
     bracket: BracketOpt = True,
+    verbose: VerboseOpt = False,
 ):
     """Offline throughput: all requests at once; requests/s, output tokens/s, total tokens/s."""
     _run("throughput", locals())
 
 
-@bench_app.command()
+@bench_app.command(cls=GroupedHelpCommand)
 def latency(
     model: ModelOpt = None,
     model_shape: ShapeOpt = None,
@@ -184,6 +188,7 @@ def latency(
     bandwidth_mib: BandwidthOpt = 512,
     progress: ProgressOpt = True,
     bracket: BracketOpt = True,
+    verbose: VerboseOpt = False,
 ):
     """Latency at a fixed concurrency: TTFT, TPOT and ITL (mean, median, P99) as vLLM's bench serve defines them."""
     _run("latency", locals())

@@ -418,7 +418,7 @@ def bench(*args):
 
 def test_throughput_end_to_end_with_hf_peer(tiny, tmp_path):
     report = tmp_path / "report.json"
-    result = bench("throughput", "--model", tiny, "-n", 3, "--input-len", 4, 9, "--output-len", 2, 5, "--seed", 7,
+    result = bench("throughput", "--model", tiny, "--num-requests", 3, "--input-len", 4, 9, "--output-len", 2, 5, "--seed", 7,
                    "--peer", "hf", "--hf-batch-size", 2, "--decode-tokens", 4, "--json", report, *QUICK)
     assert result.exit_code == 0, result.output
     assert "toolkit (eager) / transformers" in result.output and "output tokens/s" in result.output
@@ -456,7 +456,7 @@ def test_throughput_end_to_end_with_hf_peer(tiny, tmp_path):
 
 def test_latency_end_to_end(tiny, tmp_path):
     report = tmp_path / "lat.json"
-    result = bench("latency", "--model", tiny, "-n", 3, "--input-len", 4, 6, "--output-len", 2, 4, "-c", 2,
+    result = bench("latency", "--model", tiny, "--num-requests", 3, "--input-len", 4, 6, "--output-len", 2, 4, "-c", 2,
                    "--decode-tokens", 0, "--json", report, *QUICK)
     assert result.exit_code == 0, result.output
     lat = json.loads(report.read_text())["systems"]["toolkit (eager)"]["latency"]
@@ -467,7 +467,7 @@ def test_latency_end_to_end(tiny, tmp_path):
 
 def test_latency_with_a_peer_brackets_our_runs(tiny, tmp_path):
     report = tmp_path / "lat.json"
-    result = bench("latency", "--model", tiny, "-n", 3, "--input-len", 4, 6, "--output-len", 2, 4, "-c", 2,
+    result = bench("latency", "--model", tiny, "--num-requests", 3, "--input-len", 4, 6, "--output-len", 2, 4, "-c", 2,
                    "--peer", "hf", "--decode-tokens", 3, "--json", report, *QUICK)
     assert result.exit_code == 0, result.output
     doc = json.loads(report.read_text())
@@ -483,7 +483,7 @@ def test_speculative_config_runs_beside_the_plain_engine_with_the_same_tokens(ti
     the plain engine, and a check that it produced the plain engine's tokens (greedy)."""
     report = tmp_path / "spec.json"
     spec = json.dumps({"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 2})
-    result = bench("throughput", "--model", tiny, "-n", 3, "--input-len", 4, 9, "--output-len", 7, 7,
+    result = bench("throughput", "--model", tiny, "--num-requests", 3, "--input-len", 4, 9, "--output-len", 7, 7,
                    "--decode-tokens", 7, "--speculative-config", spec, "--json", report, *QUICK)
     assert result.exit_code == 0, result.output
     doc = json.loads(report.read_text())
@@ -513,7 +513,7 @@ def test_variants_and_kv_counters_on_a_shared_prefix_workload(tiny, tmp_path):
     hit rate per tier, its ratio to the first run, and that it produced the first run's tokens."""
     report = tmp_path / "kv.json"
     result = bench("throughput", "--model", tiny, "--workload", "prefix-repetition", "--prefix-repetition", 2, 40, 8, 4,
-                   "-n", 6, "--max-num-batched-tokens", 48, "--decode-tokens", 0,
+                   "--num-requests", 6, "--max-num-batched-tokens", 48, "--decode-tokens", 0,
                    "--variant", '{"enable_prefix_caching": false}', "--json", report, *QUICK)
     assert result.exit_code == 0, result.output
     doc = json.loads(report.read_text())
@@ -586,7 +586,7 @@ def test_bandwidth_fraction_holds_each_decode_run_to_its_own_bound():
 def test_bf16_run_takes_the_faster_dtype_probe_as_roofline(tiny, tmp_path):
     report = tmp_path / "report.json"
     quick = [a if a != "float32" else "bfloat16" for a in QUICK]
-    result = bench("throughput", "--model", tiny, "-n", 2, "--input-len", 4, 6, "--output-len", 2, 3,
+    result = bench("throughput", "--model", tiny, "--num-requests", 2, "--input-len", 4, 6, "--output-len", 2, 3,
                    "--decode-tokens", 0, "--json", report, *quick)
     assert result.exit_code == 0, result.output
     roof = json.loads(report.read_text())["roofline"]

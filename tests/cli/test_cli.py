@@ -103,7 +103,7 @@ def test_openai_batch_completions_and_chat_match_llm(ckpt, llm, tmp_path):
         body = response["body"]
         assert body["id"].startswith("chatcmpl-" if is_chat else "cmpl-")
         assert body["object"] == ("chat.completion" if is_chat else "text_completion")
-        assert isinstance(body["created"], int) and body["model"] == str(ckpt)
+        assert isinstance(body["created"], int) and body["model"] == "m"  # the name the request used
         assert [c["index"] for c in body["choices"]] == list(range(len(exp.outputs)))
         for choice, want in zip(body["choices"], exp.outputs):
             text = choice["message"]["content"] if is_chat else choice["text"]
@@ -117,8 +117,75 @@ def test_openai_batch_completions_and_chat_match_llm(ckpt, llm, tmp_path):
     # Chat logprobs: one entry per generated token, each with its top 2.
     content = records["chat-parts"]["response"]["body"]["choices"][0]["logprobs"]["content"]
     want = expected["chat-parts"].outputs[0]
-    assert [c["logprob"] for c in content] == pytest.approx([lp[t] for t, lp in zip(want.token_ids, want.logprobs)])
+    assert [c["logprob"] for c in content] == pytest.approx(
+        [lp[t].logprob for t, lp in zip(want.token_ids, want.logprobs)])
+    assert [c["token"] for c in content] == [lp[t].decoded_token for t, lp in zip(want.token_ids, want.logprobs)]
     assert all(len(c["top_logprobs"]) == 2 for c in content)
+
+
+def completion_line(custom_id: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+
+
+def test_openai_text_offsets_index_the_returned_text_past_a_hidden_special_token(ckpt, llm, tmp_path):
+    tok = llm.get_tokenizer()
+    special = set(tok.all_special_ids)
+    params = dict(temperature=1.5, max_tokens=40, ignore_eos=True, logprobs=1)
+
+    def sample(seed):
+        return llm.generate(["the cat"], SamplingParams(seed=seed, **params), use_tqdm=False)[0].outputs[0]
+
+    # A seeded sample with a special token before other text (skip_special_tokens hides it) that
+    # transformers decodes to the same text: decoding each prefix is then the oracle, less a character
+    # still incomplete at its end (U+FFFD there: the engine holds those bytes back).
+    seed, want = next((s, o) for s in range(300) for o in [sample(s)]
+                      if any(t in special for t in o.token_ids[:-1]) and o.text == tok.decode(o.token_ids,
+                                                                                           skip_special_tokens=True))
+    out = tmp_path / "out.jsonl"
+    result = generate(ckpt, "-i", write_lines(tmp_path / "b.jsonl", [completion_line("c", prompt="the cat", seed=seed,
+                                                                                   **params)]), "-o", out)
+    assert result.exit_code == 0, result.output
+    choice = read_records(out)[0]["response"]["body"]["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == want.text
+    ids = want.token_ids
+    assert lp["text_offset"] == [len(tok.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd"))
+                                 for i in range(len(ids))]
+    # Token strings are vLLM's: a special token shows as itself though the text hides it.
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"] == pytest.approx([e[t].logprob for t, e in zip(ids, want.logprobs)])
+    for i, t in enumerate(ids[:-1]):
+        if t in special:
+            assert lp["text_offset"][i] == lp["text_offset"][i + 1]
+
+
+def test_openai_list_of_prompts_is_one_response_with_every_choice(ckpt, llm, tmp_path):
+    params = dict(temperature=0.9, seed=11, n=2, max_tokens=5)
+    lines = [completion_line("texts", model="my-model", prompt=["the cat", "a list comprehension"], **params),
+             completion_line("ids", prompt=[[5, 6, 7], [8, 9], [10, 11, 12, 13]], **params),
+             completion_line("one-bad", prompt=["the cat", ""], max_tokens=3)]
+    out = tmp_path / "out.jsonl"
+    result = generate(ckpt, "-i", write_lines(tmp_path / "b.jsonl", lines), "-o", out)
+    assert result.exit_code == 1, result.output  # the line with an empty prompt fails as a whole
+    records = {r["custom_id"]: r for r in read_records(out)}
+    assert records["one-bad"]["response"] is None and "prompt is empty" in records["one-bad"]["error"]["message"]
+    expected = {
+        "texts": llm.generate(["the cat", "a list comprehension"], SamplingParams(**params), use_tqdm=False),
+        "ids": llm.generate([{"prompt_token_ids": p} for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13])],
+                            SamplingParams(**params), use_tqdm=False),
+    }
+    for custom_id, outs in expected.items():
+        body = records[custom_id]["response"]["body"]
+        # OpenAI's numbering: prompt index * n + the sample's index, in prompt order.
+        want = [(p * 2 + c.index, c.text, c.finish_reason) for p, o in enumerate(outs) for c in o.outputs]
+        assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == want
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+    # The model the request named; without one, the model that ran.
+    assert records["texts"]["response"]["body"]["model"] == "my-model"
+    assert records["ids"]["response"]["body"]["model"] == str(ckpt)
 
 
 def test_jsonl_prompts_messages_token_ids_and_overrides_match_llm(ckpt, llm, tmp_path):
@@ -211,6 +278,76 @@ def test_single_prompt_prints_the_completion(ckpt, llm):
     assert result.stdout == expected.outputs[0].text + "\n"
 
 
+def test_single_prompt_separates_n_completions_and_prints_logprobs(ckpt, llm):
+    result = generate(ckpt, "the cat sat on", "-n", 2, "--temperature", 1.0, "--seed", 3, "--max-tokens", 4,
+                      "--logprobs", 2)
+    assert result.exit_code == 0, result.output
+    want = llm.generate(["the cat sat on"], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, logprobs=2),
+                        use_tqdm=False)[0].outputs
+    assert result.stdout == "".join(f"--- completion {i + 1} of 2 ---\n{c.text}\n" for i, c in enumerate(want))
+    tokens = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    for i, c in enumerate(want):
+        mine = [t for t in tokens if t["completion"] == i]
+        assert [t["token_id"] for t in mine] == c.token_ids and [t["position"] for t in mine] == list(range(4))
+        assert all(str(t["token_id"]) in json.dumps(t["logprobs"]) for t in mine)  # the sampled token is listed
+
+
+def test_the_built_in_demo_model_says_what_it_is():
+    if not (demo_model.TRAINED_MODEL / "config.json").is_file():
+        pytest.skip("the built-in model is not trained in this checkout")
+    result = toolkit("generate", "hi", "--eager", "--max-tokens", 2, "--kv-cache-memory", "8MiB", "-q")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("demo model") == 1 and "--model PATH" in result.stderr
+
+
+def help_commands():
+    import typer
+
+    group = typer.main.get_command(app)
+    bench = group.commands["bench"]
+    return {"": group, "generate": group.commands["generate"], "info": group.commands["info"], "bench": bench,
+            "bench throughput": bench.commands["throughput"], "bench latency": bench.commands["latency"]}
+
+
+@pytest.mark.parametrize("name", list(help_commands()))
+def test_help_is_plain_and_whole_at_80_columns(name):
+    result = toolkit(*name.split(), "--help", env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert max(map(len, text.splitlines())) <= 80, text
+    assert not set("╭╰│─…") & set(text) and "<bool>" not in text and "BOOLEAN" not in text, text
+    for param in help_commands()[name].params:
+        for opt in param.opts + param.secondary_opts:
+            if param.param_type_name == "option":
+                assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", text), f"{opt} is not in full in:\n{text}"
+
+
+def test_short_flags_mean_one_thing_everywhere():
+    meaning = {}
+    for name, command in help_commands().items():
+        for param in command.params:
+            for opt in param.opts + param.secondary_opts:
+                if not opt.startswith("--"):
+                    meaning.setdefault(opt, set()).add(param.name)
+    assert meaning["-n"] == {"n"}  # completions per prompt, vLLM's n; bench spells out --num-requests
+    assert meaning["-v"] == {"verbose"} and meaning["-m"] == {"model"}
+    assert all(len(names) == 1 for names in meaning.values()), meaning
+
+
+def test_verbose_may_come_after_the_command(ckpt, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "toolkit.cli.main"]
+    gen = ["generate", "-m", str(ckpt), *ENGINE_FLAGS, "hi", "--max-tokens", "2"]
+    runs = {where: subprocess.run(base + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            for where, args in (("after", gen + ["-v"]), ("before", ["-v"] + gen), ("none", gen))}
+    assert all(r.returncode == 0 for r in runs.values()), {k: r.stderr for k, r in runs.items()}
+    assert "KV cache:" in runs["after"].stderr and "KV cache:" in runs["before"].stderr
+    assert "KV cache:" not in runs["none"].stderr
+    assert toolkit("info", ckpt, "-v").exit_code == 0
+    bench = toolkit("bench", "latency", "--model", tmp_path / "nope", "-v")
+    assert "No such option" not in bench.output and bench.exit_code == 2
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 BAD_JSONL = [
@@ -241,7 +378,7 @@ def test_bad_lines_become_error_records_and_exit_1(ckpt, tmp_path):
 
     # Rerun on the finished file: nothing to redo, and the exit code still reports the failed lines.
     before = out.read_text()
-    again = generate(ckpt, "-i", tmp_path / "in.jsonl", "-o", out)
+    again = generate(ckpt, "-i", tmp_path / "in.jsonl", "-o", out, "--max-tokens", 4)
     assert again.exit_code == 1 and "nothing to do" in again.stderr and out.read_text() == before
 
 
@@ -509,6 +646,66 @@ def test_resume_refuses_an_output_written_for_another_input(ckpt, tmp_path):
     assert len(read_records(out)) == 2  # untouched
 
 
+def partial_output(ckpt, tmp_path: Path, prompts: Path, *flags) -> Path:
+    """An output with a record for every line but the last, as a killed run leaves it."""
+    out = tmp_path / "out.jsonl"
+    assert generate(ckpt, "-i", prompts, "-o", out, *flags).exit_code == 0
+    kept = [line for line in out.read_text().splitlines(keepends=True) if json.loads(line)["line"] != 3]
+    out.write_text("".join(kept))
+    return out
+
+
+def assert_refused(result, out: Path, before: bytes, *phrases) -> None:
+    assert result.exit_code == 2, result.output
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1 and "Traceback" not in result.output, message
+    for phrase in (*phrases, "pass a new --output", f"delete {out} to start over"):
+        assert phrase in message, message
+    assert "loading" not in result.stderr  # refused before the model loads
+    assert out.read_bytes() == before  # nothing written is lost
+
+
+def test_resume_refuses_another_input_model_or_settings(ckpt, tmp_path):
+    flags = ["--max-tokens", 3, "--quiet"]
+    prompts = write_lines(tmp_path / "prompts.txt", ["the cat sat on", "hello world", "a list comprehension"])
+    out = partial_output(ckpt, tmp_path, prompts, *flags)
+    before = out.read_bytes()
+    assert all(len(r["input_sha"]) == 16 and r["model_sha"] and r["settings_sha"] for r in read_records(out))
+    # Line-number ids match whatever the file: only the fingerprint of each line tells them apart.
+    other = write_lines(tmp_path / "other.txt", ["the dog sat on", "hello world", "a list comprehension"])
+    assert_refused(generate(ckpt, "-i", other, "-o", out, *flags), out, before,
+                   "written for another input", "record for line 1 was made from other text")
+    assert_refused(generate(ckpt, "-i", prompts, "-o", out, *flags, "--temperature", 0.7), out, before,
+                   "other sampling options")
+    assert_refused(generate(ckpt, "-i", prompts, "-o", out, "--max-tokens", 4, "--quiet"), out, before,
+                   "other sampling options")
+    assert_refused(generate(ckpt, "-i", prompts, "-o", out, *flags, "--dtype", "bfloat16"), out, before,
+                   "another model or --dtype")
+    moved = tmp_path / "another-model"
+    moved.mkdir()
+    for f in ckpt.iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    assert_refused(toolkit("generate", "-m", moved, *ENGINE_FLAGS, "-i", prompts, "-o", out, *flags), out, before,
+                   "another model or --dtype", str(moved))
+    # What does not change the tokens (batching, the window) still resumes.
+    result = generate(ckpt, "-i", prompts, "-o", out, *flags, "--max-num-seqs", 1, "--window", 1)
+    assert result.exit_code == 0, result.output
+    assert sorted(r["line"] for r in read_records(out)) == [1, 2, 3]
+
+
+def test_records_without_fingerprints_resume_as_before(ckpt, tmp_path):
+    """Outputs written before fingerprints existed are accepted (their ids are still checked)."""
+    prompts = write_lines(tmp_path / "prompts.txt", ["the cat sat on", "hello world", "a list comprehension"])
+    out = partial_output(ckpt, tmp_path, prompts, "--max-tokens", 3, "--quiet")
+    old = [{k: v for k, v in r.items() if not k.endswith("_sha")} for r in read_records(out)]
+    write_lines(out, old)
+    result = generate(ckpt, "-i", prompts, "-o", out, "--max-tokens", 5)
+    assert result.exit_code == 0, result.output
+    records = read_records(out)
+    assert records[:2] == old and sorted(r["line"] for r in records) == [1, 2, 3]
+    assert "settings_sha" in records[2]
+
+
 # --- default model ----------------------------------------------------------------------------
 
 
@@ -559,5 +756,9 @@ def test_info_figures_match_the_checkpoint_tensors(family, tmp_path):
         assert row["requests_at_max_model_len"] == blocks // math.ceil(max_len / block)
     assert not rows[(64 * 2**10, 1)]["fits"]  # 64 KiB holds less than the weights
 
-    table = toolkit("info", path, "--memory", "1MiB")
+    table = toolkit("info", path, "--memory", "1MiB", "--memory", "64KiB", env={"COLUMNS": "40"})
     assert table.exit_code == 0 and "matches the checkpoint" in table.stdout
+    # Not a terminal: plain text, no box drawing, and no number cut short or abbreviated.
+    assert not set("─━│┃╭…") & set(table.stdout), table.stdout
+    for row in (r for r in info["capacity"] if r["memory_bytes"] == 2**20):
+        assert f"{row['tokens']:,}" in table.stdout and f"{row['kv_bytes_per_token_per_rank']:,}" in table.stdout

@@ -90,3 +90,65 @@ def test_dp_with_a_single_prompt_is_an_error():
     proc = run_cli("hello", "--dp", "2")
     assert proc.returncode == 2
     assert "--input" in proc.stderr and "--output" in proc.stderr
+
+
+def test_kill_9_of_a_dp_run_takes_its_workers_and_a_rerun_completes(case, tmp_path):
+    """The relaunched workers run in their own sessions: without PR_SET_PDEATHSIG a kill -9 of the
+    command would leave them running (PPID 1), still writing shards."""
+    import signal
+    import time
+
+    import psutil  # accelerate depends on it
+    ckpt, _, _ = case
+    prompts = tmp_path / "prompts.txt"
+    lines = 240  # with one sequence at a time, seconds of work left when the kill comes
+    prompts.write_text("".join(f"the cat number {i} sat on\n" for i in range(lines)))
+    long = ["--max-tokens", "48", "--ignore-eos", "--max-num-seqs", "1"]
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "toolkit.cli.main", "generate", "-m", ckpt, "-i", prompts, "-o", out, *FLAGS, *long,
+           "--dp", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    top = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        workers = _wait_for_writing_workers(psutil.Process(top.pid), out, deadline=time.monotonic() + TIMEOUT_S)
+        top.send_signal(signal.SIGKILL)
+    finally:
+        top.wait()
+    _, alive = psutil.wait_procs(workers, timeout=3)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:  # do not leave them to the rest of the suite
+        p.kill()
+    assert not alive, f"workers outlived the killed command: {[p.pid for p in alive]}"
+    # They died with it, not of old age: work was left (orphans would have run to the end).
+    # (Orphans would also have merged the shards into OUT: count both.)
+    written = sum(f.read_bytes().count(b"\n") for f in tmp_path.glob(out.name + "*") if f.name != out.name + ".lock")
+    assert written < lines, "the workers finished every line: they outlived the kill"
+
+    single = tmp_path / "single.jsonl"
+    assert run_cli("-m", ckpt, "-i", prompts, "-o", single, *FLAGS, *long).returncode == 0
+    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *FLAGS, *long, "--dp", 2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert by_line(out) == by_line(single)  # every line once, the same tokens as one uninterrupted process
+    assert not [p for p in tmp_path.iterdir() if ".dp" in p.name], "shard files left behind"
+
+
+def _wait_for_writing_workers(top, out: Path, deadline: float) -> list:
+    """The launched workers, once both exist and some shard holds a record (they are generating)."""
+    import time
+
+    while time.monotonic() < deadline:
+        workers = [p for p in top.children(recursive=True) if "toolkit.cli.main" in " ".join(_cmdline(p))]
+        shards = list(out.parent.glob(out.name + ".dp*"))
+        if len(workers) == 2 and any(s.read_bytes().count(b"\n") >= 1 for s in shards):
+            return workers
+        assert top.status() != "zombie", "the run ended before it was killed"
+        time.sleep(0.05)
+    raise AssertionError("the --dp 2 workers never started writing")
+
+
+def _cmdline(process) -> list[str]:
+    try:
+        return process.cmdline()
+    except Exception:  # it exited (or is not ours to read) between listing and reading
+        return []

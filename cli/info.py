@@ -82,6 +82,12 @@ def build_report(path: Path, budgets: list[int], dtype: str, max_model_len: int 
         "tie_word_embeddings": config.tie_word_embeddings,
         "checkpoint_dtype": _name(config.checkpoint_dtype),
         "num_parameters": config.num_parameters,
+        # Mixture-of-experts models compute each token with their top_k routed experts only.
+        "num_active_parameters": config.num_active_parameters,
+        "num_experts": None if config.moe is None else config.moe.num_experts,
+        "num_experts_per_tok": None if config.moe is None else config.moe.top_k,
+        "moe_intermediate_size": None if config.moe is None else config.moe.intermediate_size,
+        "num_sparse_layers": None if config.moe is None else sum(config.moe.sparse_layers),
         "checkpoint_parameters": stored.parameters,
         "parameters_match": stored.parameters == config.num_parameters,
         "checkpoint_bytes": stored.bytes,
@@ -111,6 +117,10 @@ def print_report(r: dict, console: Console) -> None:
         f"  KV cache {r['kv_bytes_per_token']:,} bytes/token in {r['dtype']} "
         f"({format_size(r['kv_bytes_per_token'] * r['max_model_len'])} per {r['max_model_len']}-token request)",
     ]
+    if r["num_experts"] is not None:
+        lines.insert(4, f"  experts {r['num_experts']}, {r['num_experts_per_tok']} per token, expert intermediate "
+                        f"{r['moe_intermediate_size']}, in {r['num_sparse_layers']} of {r['num_layers']} layers; "
+                        f"active parameters per token {r['num_active_parameters']:,} of {r['num_parameters']:,}")
     for line in lines:
         console.print(line, soft_wrap=True, highlight=False)  # long lines wrap in the terminal, never cut
     title, header, rows = _capacity(r)

@@ -42,11 +42,29 @@ FAMILIES = {
     "tied_mqa": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1)),
 }
 
+# Mixture-of-experts families (toolkit/models/moe.py), apart from FAMILIES so the suites parametrized over
+# every dense family keep their cost; tests/toolkit/test_moe.py runs these. 8 experts, top-2, 3 layers.
+MOE = dict(num_hidden_layers=3, num_experts_per_tok=2)
+MOE_FAMILIES = {
+    # Mixtral: every layer sparse, top-k weights always renormalized; intermediate_size is an expert's.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(MOE, num_local_experts=8, intermediate_size=32)),
+    # Qwen2-MoE: q/k/v biases, a gated shared expert, layer 1 dense (mlp_only_layers), weights not renormalized.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+        norm_topk_prob=False)),
+    # Qwen3-MoE: q/k norm, head_dim 32, renormalized top-k weights.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        MOE, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32)),
+    # Qwen3-MoE without renormalization, every second layer sparse (decoder_sparse_step 2).
+    "qwen3_moe_step2": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        MOE, num_experts=8, moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=2)),
+}
+
 
 def write_checkpoint(path: Path, family: str, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
     import transformers
 
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
     config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype).eval()

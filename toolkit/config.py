@@ -28,7 +28,17 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # Mixture-of-experts decoders: the same layers, with routed experts as the MLP (toolkit/models/moe.py).
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Config fields of other MoE families that change the routing, and the value at which they change
+# nothing: a checkpoint setting another value is refused rather than routed differently.
+NEUTRAL_ROUTING_OPTIONS = {"scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                           "routed_scaling_factor": 1.0, "n_shared_experts": 0, "moe_layer_freq": 1,
+                           "first_k_dense_replace": 0}
 # RoPE variants whose inverse frequencies do not depend on the sequence being run.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -82,6 +92,9 @@ class EngineConfig:
     # vLLM's meaning; tp * dp processes started by torchrun (see parallel/). 1 x 1: one process.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # vLLM's: MoE layers' experts split over all tp x dp ranks (all-to-all dispatch) instead of each
+    # expert split tp ways; attention stays tensor/data parallel (parallel/expert_parallel.py).
+    enable_expert_parallel: bool = False
     load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
     compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
     cuda_graphs: bool = True  # on CUDA with the Triton backend, replay captured graphs for decode-only steps
@@ -137,6 +150,8 @@ class EngineConfig:
                                  "size the KV cache: pass one")
         if not isinstance(self.trust_remote_code, bool):
             raise ValueError(f"trust_remote_code must be a bool, got {self.trust_remote_code!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
 
@@ -164,6 +179,36 @@ class EngineConfig:
                        max_model_len=max_model_len)
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """The routed experts of a mixture-of-experts checkpoint (None on a dense ModelConfig).
+
+    Routing (toolkit/models/moe.py): softmax over the router's logits in float32, the top `top_k`
+    experts, their weights renormalized to sum 1 when `renormalize`; `weights_in_model_dtype`: the
+    weights are rounded to the model's dtype before use (Qwen2-MoE/Qwen3-MoE in transformers; Mixtral
+    keeps them float32)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    renormalize: bool
+    weights_in_model_dtype: bool
+    sparse_layers: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+
+    def expert_parameters(self, hidden_size: int) -> int:
+        return 3 * hidden_size * self.intermediate_size
+
+    def layer_parameters(self, hidden_size: int, active: bool = False) -> int:
+        """A sparse layer's MLP: router, routed experts (only the top_k a token uses when `active`),
+        and the shared expert with its gate."""
+        n = self.num_experts * hidden_size
+        n += (self.top_k if active else self.num_experts) * self.expert_parameters(hidden_size)
+        if self.shared_expert_intermediate_size:
+            n += 3 * hidden_size * self.shared_expert_intermediate_size + hidden_size
+        return n
+
+
 @dataclass
 class ModelConfig:
     path: str
@@ -187,10 +232,20 @@ class ModelConfig:
     hf_config: object  # the transformers PretrainedConfig, kept for RoPE and the TP plans
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None  # mixture-of-experts families only
 
     @property
     def num_parameters(self) -> int:
         """Parameter count computed from the shapes (tied embeddings counted once)."""
+        return self._count_parameters(active=False)
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token is computed with: a MoE layer counts only its top_k routed experts
+        (the router and the shared expert in full). The total for a dense model."""
+        return self._count_parameters(active=True)
+
+    def _count_parameters(self, active: bool) -> int:
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
@@ -202,7 +257,9 @@ class ModelConfig:
             mlp += 2 * self.intermediate_size + h
         norms = 2 * h + (2 * d if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + norms) + embed + h
+        sparse = 0 if self.moe is None else sum(self.moe.sparse_layers)
+        moe = 0 if self.moe is None else sparse * self.moe.layer_parameters(h, active)
+        return self.num_layers * (attn + norms) + (self.num_layers - sparse) * mlp + moe + embed + h
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype) -> torch.dtype:
@@ -248,16 +305,51 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases and no o bias; Llama-style configs say it with attention_bias.
-        qkv_bias=True if family == "qwen2" else bool(getattr(hf, "attention_bias", False)),
-        o_bias=False if family == "qwen2" else bool(getattr(hf, "attention_bias", False)),
+        # Qwen2 always has q/k/v biases and no o bias (Qwen2-MoE says so with qkv_bias); Llama-style
+        # configs say it with attention_bias.
+        qkv_bias=(True if family == "qwen2" else bool(getattr(hf, "qkv_bias", True)) if family == "qwen2_moe"
+                  else bool(getattr(hf, "attention_bias", False))),
+        o_bias=False if family in ("qwen2", "qwen2_moe") else bool(getattr(hf, "attention_bias", False)),
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         checkpoint_dtype=dtype,
         hf_config=hf,
         eos_token_ids=eos_ids,
         bos_token_id=getattr(hf, "bos_token_id", None),
+        moe=_moe_config(hf, arch, family) if family in MOE_FAMILIES else None,
     )
+
+
+def _moe_config(hf, arch: str, family: str) -> MoEConfig:
+    """The routed experts as transformers builds them (Mixtral: every layer, always renormalized;
+    Qwen2-MoE/Qwen3-MoE: norm_topk_prob, dense layers per mlp_only_layers and decoder_sparse_step)."""
+    for name, neutral in NEUTRAL_ROUTING_OPTIONS.items():
+        value = getattr(hf, name, None)
+        if value is not None and value != neutral:
+            raise UnsupportedModelError(f"{arch}: {name}={value!r} changes the expert routing and is not implemented "
+                                        f"(only {name}={neutral!r})")
+    # Not checked: Mixtral's router_jitter_noise multiplies the router's input by noise in training only
+    # (transformers skips it in eval mode, as here); output_router_logits and router_aux_loss_coef feed
+    # the training loss.
+    num_experts = hf.num_local_experts if family == "mixtral" else hf.num_experts
+    top_k = hf.num_experts_per_tok
+    if num_experts > 0 and not 1 <= top_k <= num_experts:
+        raise UnsupportedModelError(f"{arch}: num_experts_per_tok={top_k} must be in [1, {num_experts}] (the experts)")
+    if family == "mixtral":
+        return MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=hf.intermediate_size,
+                         renormalize=True, weights_in_model_dtype=False, sparse_layers=(True,) * hf.num_hidden_layers)
+    step = hf.decoder_sparse_step
+    if step < 1:
+        raise UnsupportedModelError(f"{arch}: decoder_sparse_step={step} must be >= 1")
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    sparse = tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(hf.num_hidden_layers))
+    shared = hf.shared_expert_intermediate_size if family == "qwen2_moe" else 0
+    if family == "qwen2_moe" and shared < 1:
+        raise UnsupportedModelError(f"{arch}: shared_expert_intermediate_size={shared} (a shared expert of no size) "
+                                    "is not implemented")
+    return MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=hf.moe_intermediate_size,
+                     renormalize=bool(hf.norm_topk_prob), weights_in_model_dtype=True, sparse_layers=sparse,
+                     shared_expert_intermediate_size=shared)
 
 
 def _read_hf_config(path: Path):
@@ -322,6 +414,8 @@ def check_device(config: EngineConfig) -> None:
 def check_sliding_window(config: ModelConfig, max_model_len: int) -> None:
     """A sliding window only changes results once a sequence is longer than the window."""
     window = getattr(config.hf_config, "sliding_window", None)
+    if getattr(config.hf_config, "use_sliding_window", True) is False:
+        window = None  # Qwen2-MoE writes sliding_window=0 when use_sliding_window is off
     if window is not None and window < max_model_len:
         raise UnsupportedModelError(
             f"{config.architecture}: sliding window attention (window {window}) is not implemented; "

@@ -4,11 +4,18 @@ The model is constructed under accelerate's `init_empty_weights`, so no random i
 is ever paid; each tensor is then read once from the checkpoint, cast to the serving dtype and
 put in place. A checkpoint that does not match the model exactly (a missing tensor, an unknown
 one, a wrong shape) is an error naming the tensor: serving silently wrong weights is worse.
+
+Mixture-of-experts checkpoints hold one tensor per expert and projection
+(`...experts.{e}.{gate|up|down}.weight`, the names in `Experts.checkpoint_names`); the model holds
+them stacked (`Experts.w13 [E_local, 2*I, H]`, gate rows then up rows, and `w2 [E_local, H, I]`), so
+each is copied into its expert's rows (vLLM's expert_params_mapping). A layer holding only experts
+`[first_expert, first_expert + E_local)` (expert parallelism) reads only theirs.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from contextlib import contextmanager
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +28,7 @@ from torch import nn
 
 from toolkit.config import ModelConfig
 from toolkit.models import MODEL_CLASSES
+from toolkit.models.moe import Experts
 
 # Tensors some checkpoints carry that are recomputed here, not loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -28,6 +36,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # (parameter name, safetensors slice) -> the tensor this process keeps. The default reads it all;
 # a tensor-parallel plan passes one that reads only this rank's shard.
 SliceReader = Callable[[str, object], torch.Tensor]
+# checkpoint tensor name -> True where this process does not hold it (e.g. another rank's expert).
+SkipTensor = Callable[[str], bool]
+EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.weight$")
 
 
 class CheckpointError(ValueError):
@@ -76,16 +87,27 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     read_slice: SliceReader | None = None,
+    skip: SkipTensor | None = None,
 ) -> None:
+    """Fill `model`'s parameters from the checkpoint at `path`. `read_slice(name, slice)` reads the part
+    of a checkpoint tensor this process keeps (tensor parallelism: its shard; for an expert's tensor its
+    result is checked against, and copied into, that expert's rows of the stacked parameter);
+    `skip(name)` names checkpoint tensors not read at all."""
     read_slice = read_slice or (lambda name, sl: sl[:])
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         params.pop("lm_head.weight", None)  # tied to the embedding after loading
+    stacks = _ExpertStacks(model, dtype, device)
     loaded: set[str] = set()
     for file in checkpoint_files(path):
         with open_checkpoint_file(file) as f:
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (name not in params and _is_tied_alias(model, name)):
+                    continue
+                if skip is not None and skip(name):
+                    continue
+                if name not in params and stacks.owns(name):
+                    stacks.load(name, file, lambda: read_slice(name, f.get_slice(name)))
                     continue
                 if name not in params:
                     raise CheckpointError(f"unexpected tensor {name!r} in {file.name}: the model has no such parameter")
@@ -98,10 +120,71 @@ def load_weights(
                 # dtype must be given: accelerate otherwise keeps the meta parameter's (float32) dtype.
                 set_module_tensor_to_device(model, name, device, value=tensor, dtype=dtype)
                 loaded.add(name)
-    missing = sorted(set(params) - loaded)
+    loaded |= stacks.finish()
+    missing = sorted(set(params) - loaded - stacks.params) + stacks.missing()
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {path} lacks tensors the model needs: {shown}")
+
+
+class _ExpertStacks:
+    """Per-expert checkpoint tensors copied into the stacked `Experts` parameters of `model`."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device):
+        self.model, self.dtype, self.device = model, dtype, device
+        self.experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
+        self.params = {f"{name}.{p}" for name in self.experts for p in ("w13", "w2")}
+        self.values: dict[str, torch.Tensor] = {}  # stacked parameter name -> the tensor being filled
+        self.filled: dict[str, set[tuple[int, int]]] = {p: set() for p in self.params}  # (local expert, part)
+
+    def owns(self, name: str) -> bool:
+        match = EXPERT_TENSOR.match(name)
+        return match is not None and match["experts"] in self.experts
+
+    def load(self, name: str, file: Path, read: Callable[[], torch.Tensor]) -> None:
+        match = EXPERT_TENSOR.match(name)
+        module_name, expert, proj = match["experts"], int(match["expert"]), match["proj"]
+        experts = self.experts[module_name]
+        if proj not in experts.checkpoint_names or expert >= experts.num_experts:
+            raise CheckpointError(f"unexpected tensor {name!r} in {file.name}: the model has no such parameter")
+        local = expert - experts.first_expert
+        if not 0 <= local < experts.num_local_experts:
+            return  # another rank's expert
+        part = experts.checkpoint_names.index(proj)  # 0 gate, 1 up (the halves of w13), 2 down (w2)
+        pname = f"{module_name}.{'w2' if part == 2 else 'w13'}"
+        param = experts.w2 if part == 2 else experts.w13
+        rows = param.shape[1] if part == 2 else param.shape[1] // 2
+        expected = (rows, param.shape[2])
+        tensor = read()
+        if tuple(tensor.shape) != expected:
+            raise CheckpointError(f"shape mismatch for {name!r} in {file.name}: checkpoint {tuple(tensor.shape)}, "
+                                  f"model {expected} (expert {expert} of {pname})")
+        if pname not in self.values:
+            self.values[pname] = torch.empty(tuple(param.shape), dtype=self.dtype, device=self.device)
+        start = rows if part == 1 else 0
+        self.values[pname][local, start:start + rows].copy_(tensor)
+        self.filled[pname].add((local, part))
+
+    def finish(self) -> set[str]:
+        """Put every completely filled stack in place; returns their names."""
+        done = set()
+        for pname, value in self.values.items():
+            if len(self.filled[pname]) == value.shape[0] * (1 if pname.endswith(".w2") else 2):
+                set_module_tensor_to_device(self.model, pname, self.device, value=value, dtype=self.dtype)
+                done.add(pname)
+        return done
+
+    def missing(self) -> list[str]:
+        """The checkpoint names of the expert tensors no file held."""
+        names = []
+        for module_name, experts in self.experts.items():
+            gate, up, down = experts.checkpoint_names
+            for local in range(experts.num_local_experts):
+                e = experts.first_expert + local
+                for pname, part, proj in (("w13", 0, gate), ("w13", 1, up), ("w2", 2, down)):
+                    if (local, part) not in self.filled[f"{module_name}.{pname}"]:
+                        names.append(f"{module_name}.{e}.{proj}.weight")
+        return names
 
 
 def _is_tied_alias(model: nn.Module, name: str) -> bool:
@@ -114,16 +197,20 @@ LOAD_FORMATS = ("safetensors", "dummy")
 
 def load_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int, load_format: str = "safetensors",
-    tp=None,
+    tp=None, ep=None,
 ) -> nn.Module:
     """`load_format="dummy"` fills seeded random weights instead of reading files (benchmarks of model shapes).
 
     `tp` (a `parallel.TensorParallel`, or None) gives the meta model this rank's shard shapes before
     loading and reads only this rank's slices; `transforms.apply` installs the DTensor plan after.
+    `ep` (a `parallel.ExpertParallel`, or None) gives every `Experts` only this rank's experts (and
+    their `first_expert`) first, so only their tensors are read.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
     model = build_model(config, max_positions)
+    if ep is not None:
+        ep.shard_meta(model)
     if tp is not None:
         tp.shard_meta(model)
     if load_format == "dummy":

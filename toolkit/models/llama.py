@@ -1,4 +1,5 @@
-"""The dense decoder family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+"""The dense decoder family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm); with
+routed experts as the MLP of sparse layers (toolkit/models/moe.py), Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Plain PyTorch, in the layout of the Hugging Face checkpoints, so weight names map one to one.
 The model knows nothing of batching or parallelism: it takes the packed tokens of a whole
@@ -16,6 +17,7 @@ from torch import nn
 from toolkit.attention import AttentionMetadata, paged_attention, write_kv
 from toolkit.config import ModelConfig, rope_inv_freq
 from toolkit.merged_linear import project
+from toolkit.models.moe import CHECKPOINT_LAYOUT, SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -89,9 +91,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     merge_groups = (("gate_proj", "up_proj"),)
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, i, bias = config.hidden_size, intermediate_size or config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
@@ -102,16 +104,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        # The MLP is held under the checkpoint's name: `mlp`, or Mixtral's `block_sparse_moe`.
+        self.mlp_name = "mlp"
+        if config.moe is not None and config.moe.sparse_layers[layer_idx]:
+            self.mlp_name = CHECKPOINT_LAYOUT[config.family][0]
+            shared = config.moe.shared_expert_intermediate_size
+            setattr(self, self.mlp_name, SparseMoE(config, MLP(config, shared) if shared else None))
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, rope, x, kv_cache, meta):
         x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
@@ -119,7 +128,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):

@@ -9,7 +9,12 @@
 # 5. speculative decoding on a 1B-shaped target (n-gram, and a 2-layer cut of the target as draft):
 #    greedy tokens equal plain greedy, acceptance, batch-1 speed-up (recipes/gpu_spec_check.py);
 # 6. the KV CPU tier through pinned host memory: tokens equal with eviction + reload and with swap
-#    preemption, and the host-device bandwidth of block copies (recipes/gpu_kv_tier_check.py).
+#    preemption, and the host-device bandwidth of block copies (recipes/gpu_kv_tier_check.py);
+# 7. MoE: the Triton grouped-GEMM experts kernel compiled natively against the oracle and the torch
+#    reference (tests/toolkit/test_moe_triton.py), then at Mixtral/Qwen-MoE layer shapes in float32,
+#    bfloat16 and float16 with times, a CUDA graph replayed on new routings, and Mixtral, Qwen2-MoE and
+#    Qwen3-MoE checkpoints' greedy tokens against transformers with the kernel serving, eager, compiled
+#    and with CUDA graphs (recipes/gpu_moe_check.py).
 #   bash recipes/gpu_check.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,3 +39,6 @@ PY
 timeout 300 python recipes/gpu_decode_bench.py --out "$out/decode_bench.json" 2>&1 | tee "$out/decode_bench.log"
 timeout 300 python recipes/gpu_spec_check.py --out "$out/spec.json" 2>&1 | tee "$out/spec.log"
 timeout 240 python recipes/gpu_kv_tier_check.py --out "$out/kv_tiers.json" 2>&1 | tee "$out/kv_tiers.log"
+TOOLKIT_TEST_DEVICE=cuda timeout 180 python -m pytest -q -p no:cacheprovider tests/toolkit/test_moe_triton.py \
+  2>&1 | tee "$out/moe_kernel_tests.log"
+timeout 480 python recipes/gpu_moe_check.py --out "$out/moe.json" 2>&1 | tee "$out/moe.log"

@@ -37,16 +37,20 @@ class BatchRunner:
     def run(self, jobs: Iterable[Job]) -> None:
         jobs = iter(jobs)
         more = True
-        while more or self.pending:
+        while True:
             while more and len(self.pending) < self.window:
                 job = next(jobs, None)
                 if job is None:
                     more = False
                 else:
                     self._submit(job)
-            if self.pending:
-                for out in self.engine.step():
-                    self._finish(self.pending.pop(out.request_id), out)
+            # The engine holds exactly the pending requests, so this ends when they and the input are done;
+            # asked of the engine (once per step) because replicas in lockstep (--dp with expert
+            # parallelism) step until every replica is done (Engine.has_unfinished).
+            if not self.engine.has_unfinished():
+                break
+            for out in self.engine.step():
+                self._finish(self.pending.pop(out.request_id), out)
 
     def _submit(self, job: Job) -> None:
         if job.error is not None:

@@ -10,8 +10,9 @@ So every record carries three short hashes, appended after its own keys:
 - `settings_sha`: the sampling options (--temperature, --seed, --max-tokens, ...).
 
 Options that do not change the generated tokens are left out, so changing them still resumes:
-batching and memory (--window, --max-num-seqs, --kv-*), --quiet, --tp/--dp, and
---speculative-config (lossless: it changes how fast tokens come, not which).
+batching and memory (--window, --max-num-seqs, --kv-*), --quiet, --tp/--dp, --enable-expert-parallel
+(where each expert is computed, not what), and --speculative-config (lossless: it changes how fast
+tokens come, not which).
 """
 
 from __future__ import annotations

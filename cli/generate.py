@@ -124,6 +124,7 @@ def generate(
     preemption_mode: o.PreemptionOpt = o.PreemptionMode.recompute,
     tp: o.TensorParallelOpt = 1,
     dp: o.DataParallelOpt = 1,
+    enable_expert_parallel: o.ExpertParallelOpt = False,
     verbose: o.VerboseOpt = False,
 ):
     """Generate completions for one prompt or a file of them.
@@ -142,7 +143,7 @@ def generate(
         dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, eager=eager,
         attention_backend=attention_backend, device=device, tensor_parallel_size=tp, data_parallel_size=dp,
-        cpu_linear=cpu_linear,
+        cpu_linear=cpu_linear, enable_expert_parallel=enable_expert_parallel,
     )
     engine.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                               kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
@@ -154,7 +155,8 @@ def generate(
         if tp * dp > 1:
             check_parallel_args(io, dp)
             if "RANK" not in os.environ:
-                check_model_splits(model, tp)  # before starting tp x dp processes that would all fail
+                # Before starting tp x dp processes that would all fail.
+                check_model_splits(model, tp, dp, enable_expert_parallel)
             from toolkit.parallel import maybe_relaunch
 
             relaunched = maybe_relaunch(tp * dp)  # outside torchrun: run this command as tp x dp processes
@@ -190,15 +192,21 @@ def check_parallel_args(io: IOArgs, dp: int) -> None:
         raise CliError("--dp writes one shard file per replica, merged at the end: give --output FILE")
 
 
-def check_model_splits(model: Path | None, tp: int) -> None:
+def check_model_splits(model: Path | None, tp: int, dp: int = 1, expert_parallel: bool = False) -> None:
+    from toolkit.parallel.expert_parallel import check_expert_parallel, num_experts
     from toolkit.parallel.tensor_parallel import check_tensor_parallel
     from toolkit.config import load_model_config
 
     path = resolve_model(model, lambda message: None)
     try:
-        check_tensor_parallel(load_model_config(path), tp)
+        config = load_model_config(path)
+        expert_parallel = expert_parallel and num_experts(config) is not None  # a dense model: the flag is ignored
+        if expert_parallel:
+            check_expert_parallel(config, tp * dp)
+        check_tensor_parallel(config, tp, expert_parallel=expert_parallel)
     except (OSError, ValueError) as e:
-        raise CliError(f"--tp {tp}: {e}") from None
+        flags = f"--tp {tp} --dp {dp} --enable-expert-parallel" if expert_parallel else f"--tp {tp}"
+        raise CliError(f"{flags}: {e}") from None
 
 
 def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, ranks: Ranks = Ranks()) -> int:

@@ -136,13 +136,17 @@ DataParallelOpt = Annotated[int, typer.Option(
     "--dp", "--data-parallel-size", min=1, rich_help_panel=PARALLEL,
     help="Independent replicas, each serving a share of the input lines (needs --input/--output); "
          "each writes OUTPUT.dpI-of-N, merged into OUTPUT at the end.")]
+ExpertParallelOpt = Annotated[bool, typer.Option(
+    "--enable-expert-parallel", rich_help_panel=PARALLEL,
+    help="MoE models: split the experts over all tp x dp processes (all-to-all) instead of splitting each "
+         "expert tp ways.")]
 
 
 def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                   max_model_len: int | None, kv_cache_memory: int | None, eager: bool,
                   attention_backend: AttentionBackend | None, device: str | None,
                   tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                  cpu_linear: CpuLinear | None = None) -> dict:
+                  cpu_linear: CpuLinear | None = None, enable_expert_parallel: bool = False) -> dict:
     """EngineConfig's fields from the engine options (`LLM(model, **engine_kwargs(...))` takes the same).
     Options left unset are left out, so EngineConfig's own defaults (and the environment's) apply."""
     kwargs = dict(
@@ -154,6 +158,8 @@ def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_bat
     )
     if cpu_linear is not None:
         kwargs["cpu_linear"] = cpu_linear.value
+    if enable_expert_parallel:
+        kwargs["enable_expert_parallel"] = True
     return kwargs
 
 

@@ -61,3 +61,26 @@ def gather_replicas(state, obj) -> list | None:
     if not state.is_main:
         return None
     return parts[:: state.tp_size]  # global ranks dp * tp + 0: each replica's TP rank 0
+
+
+class Lockstep:
+    """Data-parallel replicas that must step together: with expert parallelism every rank of every
+    replica enters each MoE layer's all-to-all, so each replica runs the same number of forwards.
+
+    Once per step (`Engine.has_unfinished`) every rank says whether its replica still has work, and
+    all of them learn whether any replica does (one all-reduce of one int over a CPU group); a replica
+    with nothing scheduled then runs a one-token dummy forward (`Engine.step`), as vLLM's DP ranks do,
+    and the job's loops end on all replicas at the same step, when none has work left."""
+
+    def __init__(self, group):
+        self.group = group
+        self.steps = 0  # agreements so far
+        self.dummy_steps = 0  # forwards this replica ran with nothing of its own to compute
+
+    def any_busy(self, busy: bool) -> bool:
+        import torch
+
+        flag = torch.tensor([int(busy)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self.steps += 1
+        return bool(flag.item())

@@ -9,7 +9,8 @@ fails on every rank at once with the same message, instead of one rank waiting f
 Mesh: `init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))`. Pipeline
 parallelism is not implemented; its dimension is there with size 1 so the layout (tp innermost:
 a TP group is consecutive ranks, i.e. one node's devices) stays the same when it is, and expert
-parallelism will add its own name the same way.
+expert parallelism has no mesh dimension of its own: its group is every rank (tp x dp, as vLLM's),
+built in parallel/expert_parallel.py.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class ParallelState:
     device: torch.device
     tp: object | None  # parallel.TensorParallel when tp > 1, else None
     gather_group: dist.ProcessGroup | None  # CPU (gloo) group for the outputs, when dp > 1
+    ep: object | None = None  # parallel.ExpertParallel with enable_expert_parallel (MoE models), else None
+    # parallel.Lockstep when replicas must step together (dp > 1 with expert parallelism), else None
+    lockstep: object | None = None
 
     @property
     def rank(self) -> int:
@@ -124,29 +128,48 @@ def check_sizes(tp: int, dp: int, world_size: int) -> None:
         )
 
 
-def setup_parallel(tp: int, dp: int, device: str | torch.device | None, model_config) -> ParallelState | None:
+def setup_parallel(tp: int, dp: int, device: str | torch.device | None, model_config,
+                   expert_parallel: bool = False) -> ParallelState | None:
     """Join the process group and build the mesh; None for a plain single-process run.
 
-    `model_config` is checked against tp first (heads divisible, see `check_tensor_parallel`), so
-    that error is raised before anything is loaded or any peer is waited for.
+    `model_config` is checked against tp first (heads divisible, see `check_tensor_parallel`), and
+    with `expert_parallel` its experts against tp x dp, so those errors are raised before anything
+    is loaded or any peer is waited for.
     """
+    from toolkit.parallel.expert_parallel import check_expert_parallel, num_experts
     from toolkit.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
 
     world = launched_world_size()
+    if expert_parallel and num_experts(model_config) is None:
+        log.warning("enable_expert_parallel: %s has no routed experts; ignored",
+                    getattr(model_config, "path", "the model"))
+        expert_parallel = False
     if tp * dp == 1 and world == 1:
         return None
     check_sizes(tp, dp, world)
-    check_tensor_parallel(model_config, tp)
+    if expert_parallel:
+        check_expert_parallel(model_config, tp * dp)
+    check_tensor_parallel(model_config, tp, expert_parallel=expert_parallel)
     device = local_device(device)
     _init_process_group(device, world)
     mesh = init_device_mesh(device.type, (dp, 1, tp), mesh_dim_names=MESH_DIM_NAMES)
     _log_rank0_only()
-    tp_helper = TensorParallel(mesh["tp"], model_config, device) if tp > 1 else None
+    tp_helper = TensorParallel(mesh["tp"], model_config, device, expert_parallel=expert_parallel) if tp > 1 else None
     gather_group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT) if dp > 1 else None
-    state = ParallelState(mesh, device, tp_helper, gather_group)
+    ep, lockstep = None, None
+    if expert_parallel:
+        from toolkit.parallel.data_parallel import Lockstep
+        from toolkit.parallel.expert_parallel import ExpertParallel
+
+        ep = ExpertParallel(model_config, tp_group=tp_helper.group if tp_helper else None,
+                            tp_rank=mesh.get_local_rank("tp"), tp_size=tp)
+        # Every rank enters each MoE layer's all-to-all once per step: the replicas step together.
+        lockstep = Lockstep(dist.new_group(backend="gloo", timeout=dist_timeout())) if dp > 1 else None
+    state = ParallelState(mesh, device, tp_helper, gather_group, ep, lockstep)
     log.info(
-        "parallel: world %d = dp %d x tp %d, backend %s, device %s, collective timeout %.0f s",
-        world, dp, tp, dist.get_backend(), device.type, dist_timeout().total_seconds(),
+        "parallel: world %d = dp %d x tp %d%s, backend %s, device %s, collective timeout %.0f s",
+        world, dp, tp, f", experts over all {world} ranks ({ep.num_local_experts} each)" if ep else "",
+        dist.get_backend(), device.type, dist_timeout().total_seconds(),
     )
     return state
 

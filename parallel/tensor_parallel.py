@@ -25,6 +25,14 @@ stay plain local modules holding the one kv head this rank's query heads use (ra
 query heads [r*Hq/tp, (r+1)*Hq/tp), which all fall in kv head r // (tp / Hkv)), so the cache holds
 one kv head per rank and ranks in the same group hold copies.
 
+Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): attention (and a dense or shared-expert
+MLP) as above; the router is replicated. The routed experts (one `Experts` module per layer, stacked
+`w13` [E, 2I, H] and `w2` [E, H, I]) are not DTensors: without expert parallelism every rank holds
+every expert's 1/tp slice of I (w13's gate rows and up rows, w2's columns; the loader reads only
+those from the per-expert checkpoint tensors) and `TensorParallelExperts` all-reduces the partial
+output over the tp group; with `enable_expert_parallel` they are split by expert instead
+(parallel/expert_parallel.py) and this plan leaves them alone.
+
 The model reads head counts from its local weight shapes, so nothing in `toolkit.models` changes.
 """
 
@@ -41,6 +49,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from toolkit.parallel.distributed import ParallelConfigError
+from toolkit.parallel.expert_parallel import TensorParallelExperts, is_experts, tp_expert_slice
 
 KV_PROJECTIONS = ("model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj")
 
@@ -61,29 +70,59 @@ def dense_plan(shard_kv: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-PLANS = {"llama": dense_plan, "mistral": dense_plan, "qwen2": dense_plan, "qwen3": dense_plan}
+def moe_plan(shard_kv: bool) -> dict[str, ParallelStyle]:
+    """Mixture-of-experts decoders: the dense plan (attention; the dense MLP of layers that have one)
+    and Qwen2-MoE's shared expert like a dense MLP. Routers and the routed experts are not in it."""
+    plan = dense_plan(shard_kv)
+    plan.update({
+        "model.layers.*.mlp.shared_expert.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.shared_expert.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.shared_expert.down_proj": RowwiseParallel(),
+    })
+    return plan
 
 
-def check_tensor_parallel(config, tp: int) -> None:
-    """Raise if the model cannot be split tp ways (called before any weight is read)."""
+PLANS = {"llama": dense_plan, "mistral": dense_plan, "qwen2": dense_plan, "qwen3": dense_plan,
+         "mixtral": moe_plan, "qwen2_moe": moe_plan, "qwen3_moe": moe_plan}
+
+
+def check_tensor_parallel(config, tp: int, expert_parallel: bool = False) -> None:
+    """Raise if the model cannot be split tp ways (called before any weight is read). With
+    `expert_parallel` the routed experts are split by expert, so their size need not divide."""
     if tp == 1:
         return
     if config.family not in PLANS:
         raise ParallelConfigError(f"no tensor-parallel plan for model family {config.family!r}")
-    problem = _tp_problem(config, tp)
+    problem = _tp_problem(config, tp, expert_parallel)
     if problem:
         raise ParallelConfigError(
             f"tensor_parallel_size {tp} {problem} ({config.path}); "
-            f"sizes that work: {', '.join(map(str, valid_tp_sizes(config)))}"
+            f"sizes that work: {', '.join(map(str, valid_tp_sizes(config, expert_parallel)))}"
         )
 
 
-def valid_tp_sizes(config) -> list[int]:
+def valid_tp_sizes(config, expert_parallel: bool = False) -> list[int]:
     """Every tensor-parallel size this model can be split into."""
-    return [tp for tp in range(1, config.num_heads + 1) if _tp_problem(config, tp) is None]
+    return [tp for tp in range(1, config.num_heads + 1) if _tp_problem(config, tp, expert_parallel) is None]
 
 
-def _tp_problem(config, tp: int) -> str | None:
+def _moe_sizes(config, expert_parallel: bool) -> list[tuple[str, int]]:
+    """(what, size) of the MoE intermediate sizes tensor parallelism splits: the shared expert's, and
+    the routed experts' unless expert parallelism splits those by expert."""
+    from toolkit.parallel.expert_parallel import num_experts
+
+    moe = getattr(config, "moe", None)
+    if moe is None or num_experts(config) is None:
+        return []
+    sizes = []
+    if moe.shared_expert_intermediate_size:
+        sizes.append(("shared expert intermediate size", moe.shared_expert_intermediate_size))
+    if not expert_parallel:
+        sizes.append(("experts' intermediate size", moe.intermediate_size))
+    return sizes
+
+
+def _tp_problem(config, tp: int, expert_parallel: bool = False) -> str | None:
     heads, kv = config.num_heads, config.num_kv_heads
     if heads % tp:
         return f"does not divide the model's {heads} attention heads"
@@ -94,14 +133,21 @@ def _tp_problem(config, tp: int) -> str | None:
         # RowwiseParallel rebuilds down_proj's input DTensor assuming equal shards (the vocabulary,
         # sharded only through weights, may be uneven).
         return f"does not divide the model's intermediate size {config.intermediate_size}"
+    for what, size in _moe_sizes(config, expert_parallel):
+        if size % tp:
+            hint = "" if expert_parallel or "experts'" not in what else " (enable_expert_parallel splits experts whole)"
+            return f"does not divide the model's {what} {size}{hint}"
     return None
 
 
 class TensorParallel:
     """One replica's tensor-parallel group: the slices this rank loads, the plan, token broadcast."""
 
-    def __init__(self, mesh: DeviceMesh, config, device: torch.device):
-        check_tensor_parallel(config, mesh.size())
+    def __init__(self, mesh: DeviceMesh, config, device: torch.device, expert_parallel: bool = False):
+        check_tensor_parallel(config, mesh.size(), expert_parallel)
+        # With expert parallelism the routed experts are split by expert (parallel/expert_parallel.py);
+        # without it this plan splits each expert's intermediate size (TensorParallelExperts).
+        self.expert_parallel = expert_parallel
         self.mesh = mesh
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
@@ -124,6 +170,10 @@ class TensorParallel:
     def shard_meta(self, model: nn.Module) -> None:
         """Give the meta model this rank's parameter shapes (before `load_weights`)."""
         for mname, module in model.named_modules():
+            if is_experts(module):
+                if not self.expert_parallel:
+                    self._shard_experts_meta(module)
+                continue
             style = _lookup(self.plan, mname)
             replicated_kv = self.replicate_kv and any(_matches(p, mname) for p in KV_PROJECTIONS)
             if style is None and not replicated_kv:
@@ -143,6 +193,15 @@ class TensorParallel:
                     torch.empty(local_shape, dtype=param.dtype, device="meta"), requires_grad=False
                 )
 
+    def _shard_experts_meta(self, module: nn.Module) -> None:
+        """Every expert's slice of I on this rank: w13 [E, 2I/tp, H] (gate rows, then up rows), w2 [E, H, I/tp]."""
+        w13, w2 = module._parameters["w13"], module._parameters["w2"]
+        local = w13.shape[1] // 2 // self.size
+        shapes = {"w13": (w13.shape[0], 2 * local, w13.shape[2]), "w2": (w2.shape[0], w2.shape[1], local)}
+        for pname, shape in shapes.items():
+            module._parameters[pname] = nn.Parameter(
+                torch.empty(shape, dtype=module._parameters[pname].dtype, device="meta"), requires_grad=False)
+
     def _kv_head_rows(self, shape: torch.Size) -> tuple[slice, ...]:
         """k/v rows (weight or bias) of the one kv head this rank's query heads attend with."""
         head = self.rank // (self.size // self.config.num_kv_heads)
@@ -152,6 +211,8 @@ class TensorParallel:
     def read_slice(self, name: str, tensor_slice) -> torch.Tensor:
         """`load_weights`' hook: read only this rank's part (all of it for replicated tensors)."""
         index = self._index.get(name)
+        if index is None and not self.expert_parallel:
+            index = tp_expert_slice(name, tensor_slice.get_shape(), self.rank, self.size)
         if index is None:
             return tensor_slice[:]
         # safetensors returns a view into the whole tensor's (memory-mapped) bytes: copy the slice
@@ -172,7 +233,16 @@ class TensorParallel:
                 )
                 wrapped[id(local)] = nn.Parameter(dtensor, requires_grad=False)
             module._parameters[pname] = wrapped[id(local)]
-        parallelize_module(model, self.mesh, self.plan)
+        # The plan by the model's own module names: a MoE family's plan names the dense MLP and the shared
+        # expert, which not every layer (or family) holds, and parallelize_module warns of each pattern
+        # that is missing from some layer.
+        styles = {name: _lookup(self.plan, name) for name, _ in model.named_modules()}
+        parallelize_module(model, self.mesh, {name: style for name, style in styles.items() if style is not None})
+        if not self.expert_parallel:
+            experts = TensorParallelExperts(self.group.group_name)
+            for module in model.modules():
+                if is_experts(module):
+                    module.dispatcher = experts
         return model.requires_grad_(False)
 
     # --- lockstep ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ detokenizer turns tokens into text and finds stop strings. Finished requests com
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -73,8 +74,15 @@ class Engine:
         self.model_config: ModelConfig = _load_model_config(config)
         mc = self.model_config
         # Joins the process group when tp * dp > 1; checks the sizes against the world and the heads first.
-        self.parallel = setup_parallel(config.tensor_parallel_size, config.data_parallel_size, config.device, mc)
+        self.parallel = setup_parallel(config.tensor_parallel_size, config.data_parallel_size, config.device, mc,
+                                       expert_parallel=config.enable_expert_parallel)
         self.tp = self.parallel.tp if self.parallel is not None else None
+        # Expert parallelism (MoE): this rank's experts; with dp > 1 the replicas step in lockstep (step()).
+        self.ep = self.parallel.ep if self.parallel is not None else None
+        self._lockstep = self.parallel.lockstep if self.parallel is not None else None
+        if self.ep is not None and config.cuda_graphs:
+            # The all-to-all's sizes depend on the routing, read on the host: no graph can replay it.
+            config = dataclasses.replace(config, cuda_graphs=False)
         device = self.parallel.device if self.parallel is not None else torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         config = backends.runnable(config.resolve(mc, device))
@@ -87,7 +95,7 @@ class Engine:
         if self.tokenizer is None and config.tokenizer is not None and not config.skip_tokenizer_init:
             raise FileNotFoundError(f"tokenizer={config.tokenizer!r} has none of {', '.join(TOKENIZER_FILES)}")
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
-        self.runner = ModelRunner(config, mc, self.backend, self.tp)
+        self.runner = ModelRunner(config, mc, self.backend, self.tp, ep=self.ep)
         kv = self.runner.kv_spec
         self.sampler = Sampler(config.seed)
         spec = config.speculative_config
@@ -127,6 +135,8 @@ class Engine:
         stats["prefix_cache"] = vars(self.scheduler.prefix_cache_stats).copy()
         if self.kv_tiers is not None:
             stats["kv_tiers"] = self.kv_tiers.stats()
+        if self.ep is not None:
+            stats["expert_parallel"] = self._ep_stats()
         if self.speculator is not None:
             stats["spec_decode"] = self.speculator.stats.as_dict()
             draft = stats["draft_runner"] = self.speculator.runner_stats()
@@ -148,7 +158,31 @@ class Engine:
             metrics += self.kv_tiers.metrics()
         if self.speculator is not None:
             metrics += self.speculator.stats.metrics()
+        metrics += self._moe_metrics(Counter)
+        if self.ep is not None:
+            ep = self.ep.stats
+            metrics += [Counter("toolkit:ep_all_to_all_bytes", {"direction": "dispatch"}, ep.dispatch_bytes),
+                        Counter("toolkit:ep_all_to_all_bytes", {"direction": "combine"}, ep.combine_bytes),
+                        Gauge("toolkit:ep_all_to_all_seconds", value=ep.all_to_all_s),
+                        Counter("toolkit:ep_dummy_steps", value=self._lockstep.dummy_steps if self._lockstep else 0)]
         return metrics
+
+    def _ep_stats(self) -> dict:
+        """This rank's experts and its all-to-all traffic and time since start (parallel.EPStats), and,
+        with replicas in lockstep, the steps they agreed on and the dummy forwards this replica ran."""
+        ep = self.ep
+        stats = {"experts": [ep.experts.start, ep.experts.stop], "ranks": ep.size, **ep.stats.as_dict()}
+        if self._lockstep is not None:
+            stats.update(lockstep_steps=self._lockstep.steps, dummy_steps=self._lockstep.dummy_steps)
+        return stats
+
+    def _moe_metrics(self, Counter) -> list:
+        """toolkit:moe_expert_tokens{layer, expert}: (token, slot) pairs routed to each expert since start
+        (under expert parallelism, those this rank's experts computed)."""
+        from toolkit.models.moe import expert_token_counts
+
+        return [Counter("toolkit:moe_expert_tokens", {"layer": str(layer), "expert": str(e)}, int(n))
+                for layer, counts in expert_token_counts(self.runner.model) for e, n in enumerate(counts.tolist())]
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forget the prefix cache (device and CPU tier; the disk tier is kept). False while requests run."""
@@ -251,12 +285,32 @@ class Engine:
                 self._finish_child(self._tracked[child].request)
 
     def has_unfinished(self) -> bool:
-        return bool(self._groups)
+        """Whether requests are in flight. With data-parallel replicas in lockstep (expert parallelism,
+        dp > 1) it is whether ANY replica still has some, agreed by every rank in one collective, so
+        every replica's loop `while engine.has_unfinished(): engine.step()` runs the same steps and ends
+        at the same one: there it must be called once per step, on every rank."""
+        if self._lockstep is None:
+            return bool(self._groups)
+        return self._lockstep.any_busy(bool(self._groups))
 
     # --- one step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns the user requests that finished in it."""
+        """Run one scheduled step; returns the user requests that finished in it.
+
+        Replicas in lockstep (expert parallelism with dp > 1; see has_unfinished): a replica whose step
+        ran no forward (nothing of its own scheduled) runs a one-token dummy forward instead, so every
+        rank enters each MoE layer's all-to-all once per step (vLLM's dummy batch)."""
+        if self._lockstep is None:
+            return self._step()
+        forwards = self.runner.num_forwards
+        finished = self._step()
+        if self.runner.num_forwards == forwards:
+            self.runner.execute_dummy()
+            self._lockstep.dummy_steps += 1
+        return finished
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         finished: list[RequestOutput] = []
         for req in plan.rejected:
@@ -313,7 +367,7 @@ class Engine:
         """Whether a failed step can be ended for its requests alone. Not under TP: a rank that failed
         alone would leave the others' schedulers out of step, so the job ends (as any TP fault does).
         Not for a broken process group either."""
-        return self.tp is None and not isinstance(exc, torch.distributed.DistError)
+        return self.tp is None and self.ep is None and not isinstance(exc, torch.distributed.DistError)
 
     def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """Fail the step's requests alone. The scheduler advances computed tokens and names cached

@@ -40,7 +40,9 @@ class LLM:
         """vLLM's metric objects (`.name`, `.value` or `.values`), named toolkit:*: request gauges, the
         prefix cache's toolkit:prefix_cache_queries and _hits (tokens; _hits_tier per tier, labelled),
         the KV tiers' toolkit:kv_transfer_bytes (labelled by direction) and, with speculative decoding, toolkit:spec_decode_num_drafts, _num_draft_tokens,
-        _num_accepted_tokens and _num_accepted_tokens_per_pos (counted since the engine started)."""
+        _num_accepted_tokens and _num_accepted_tokens_per_pos (counted since the engine started), and for
+        mixture-of-experts models toolkit:moe_expert_tokens (labelled by layer and expert: the tokens routed
+        to each expert since start)."""
         return self.engine.get_metrics()
 
     def reset_prefix_cache(self) -> bool:

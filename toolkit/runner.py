@@ -51,9 +51,11 @@ class KVCacheSpec:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, backend, tp=None, num_blocks: int | None = None):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, backend, tp=None, num_blocks: int | None = None,
+                 ep=None):
         """`config` is resolved (EngineConfig.resolve); `tp` is this rank's parallel.TensorParallel;
-        `num_blocks` fixes the KV cache's block count (a draft model's: the target's) instead of sizing it."""
+        `num_blocks` fixes the KV cache's block count (a draft model's: the target's) instead of sizing it;
+        `ep` is this rank's parallel.ExpertParallel (MoE models with enable_expert_parallel)."""
         self.config = config
         self.model_config = model_config
         self.backend = backend
@@ -61,7 +63,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         start = time.perf_counter()
         self.model = load_model(model_config, config.dtype, self.device, max_positions=config.max_model_len,
-                                load_format=config.load_format, tp=tp)
+                                load_format=config.load_format, tp=tp, ep=ep)
         self.attention_backend = backend.attention_backend()  # after loading: the CPU kernels build meanwhile
         self.num_kv_heads = tp.num_kv_heads_local if tp is not None else model_config.num_kv_heads
         self.kv_spec = self._size_kv_cache() if num_blocks is None else KVCacheSpec(
@@ -75,7 +77,7 @@ class ModelRunner:
                 # stays dynamic, so one compiled graph (and Inductor's cache of it) serves any KV budget.
                 for dim in (0, 2, 3, 4):
                     torch._dynamo.mark_static(cache, dim)
-        self.step, self.applied = transforms.apply(self.model, self.kv_caches, config, backend, tp)
+        self.step, self.applied = transforms.apply(self.model, self.kv_caches, config, backend, tp, ep=ep)
         self.load_seconds = time.perf_counter() - start  # loading, the KV cache and every model change
         # The torch backend's traced decode attention reads a decode-only step's rows as its tokens, and it
         # and DTensor's sharding rules need a backed token count (toolkit/inputs.py).
@@ -84,6 +86,7 @@ class ModelRunner:
         self._tokens_backed = compiled and (self._rows_are_tokens or tp is not None)
         self.compile_seconds = 0.0
         self.graphs = 0  # compiled by this runner's step
+        self.num_forwards = 0  # model calls (steps run, dummy ones included)
 
     # --- KV cache sizing -------------------------------------------------------------------
 
@@ -130,6 +133,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits [S + P, V]: the requests that sample this step, in scheduled order, then the
         prompt positions that want logits (StepInputs.num_prompt_rows)."""
+        self.num_forwards += 1
         if self.config.enforce_eager:
             return self.step(inputs)
         before = num_compiled_graphs()
@@ -142,6 +146,17 @@ class ModelRunner:
             log.info("compiled the step for %d packed tokens in %.1f s (first run included)",
                      inputs.input_ids.shape[0], seconds)
         return logits
+
+    def execute_dummy(self) -> None:
+        """A one-token forward that reads and writes nothing of any request (its KV slot is -1, not
+        written): what a data-parallel replica with nothing scheduled runs under expert parallelism, so
+        that it still enters every MoE layer's all-to-all with the other replicas (Engine.step)."""
+        from toolkit.scheduling import ScheduledRequest
+
+        dummy = ScheduledRequest(request_id="<dummy>", token_ids=[0], start_position=0, block_table=[0], samples=True)
+        inputs = self.prepare([dummy])
+        inputs.meta.slot_mapping.fill_(-1)
+        self.execute(inputs)
 
     def stats(self) -> dict:
         """What the runner built and spent, for Engine.stats()."""

@@ -5,6 +5,8 @@ applied from outside, as torchtitan's `parallelize_llama` does:
 
 1. Tensor parallel: this rank's loaded slices become DTensors and the plan's redistributions are
    installed (parallel/tensor_parallel.py). Loading already read only this rank's slices.
+   Expert parallel (MoE models, enable_expert_parallel): every layer's `Experts` gets the all-to-all
+   dispatcher (parallel/expert_parallel.py); loading already read only this rank's experts.
 2. Merged linears: q/k/v and gate/up, which read the same input, become one matmul each
    (toolkit/merged_linear.py), where no TP plan shards them apart.
 3. The device backend's changes (toolkit/backends): on CPU the linears' weight layouts for the
@@ -48,13 +50,20 @@ class Step:
             return self.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
 
 
-def apply(model: torch.nn.Module, kv_caches: list[torch.Tensor], config, backend, tp=None) -> tuple[Step, list[str]]:
+def apply(model: torch.nn.Module, kv_caches: list[torch.Tensor], config, backend, tp=None,
+          ep=None) -> tuple[Step, list[str]]:
     """Apply the changes above to a loaded model, in order; returns its step and what was applied."""
     applied = []
     if tp is not None:
         tp.parallelize(model)
         applied.append(f"tensor parallel over {tp.size} ranks")
-    else:
+    if ep is not None:
+        from toolkit.parallel.expert_parallel import apply_expert_parallel
+
+        layers = apply_expert_parallel(model, ep)
+        applied.append(f"expert parallel over {ep.size} ranks: experts {ep.experts.start}-{ep.experts.stop - 1} "
+                       f"of {ep.num_experts} in {layers} layers")
+    if tp is None:
         applied.append(f"{merge_linears(model)} linear groups merged")
     applied += backend.prepare_model(model, tp)
     if config.enforce_eager:

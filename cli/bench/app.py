@@ -21,7 +21,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from toolkit.cli.bench.metrics import combine_throughput, decode_metrics, kv_delta, latency_metrics, spec_delta
+from toolkit.cli.bench.metrics import (combine_throughput, decode_metrics, expert_delta, kv_delta, latency_metrics,
+                                       spec_delta)
 from toolkit.cli.bench.model import SHAPES, resolve_model
 from toolkit.cli.bench.report import build_rows, render_table, report_json
 from toolkit.cli.bench.roofline import (
@@ -53,8 +54,8 @@ BLOCK = 16  # the engine's default block size: KV sizing below counts in its blo
 ModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", help="Hugging Face model folder.",
                                                   file_okay=False)]
 ShapeOpt = Annotated[Optional[str], typer.Option(
-    "--model-shape", help=f"A built-in seeded random model instead of --model: {', '.join(SHAPES)} (a ~125M Llama, "
-    "bf16). Alone it uses dummy weights; with a peer, a real checkpoint cached under ~/.cache/toolkit/bench.")]
+    "--model-shape", help=f"A built-in seeded random model instead of --model: {', '.join(SHAPES)} (a ~125M Llama; "
+    "a Qwen3-MoE, 16 experts, top-2, ~0.5B total, ~100M active; both bf16). Alone it uses dummy weights; with a peer, a real checkpoint cached under ~/.cache/toolkit/bench.")]
 # No -n: everywhere else -n is completions per prompt (vLLM's n).
 NumOpt = Annotated[int, typer.Option("--num-requests", min=1, help="Requests in the workload.")]
 InOpt = Annotated[tuple[int, int], typer.Option("--input-len", help="Prompt length range MIN MAX (uniform).")]
@@ -458,13 +459,14 @@ class _counted:
         self.system, self.res, self.run = system, res, run
 
     def __enter__(self):
-        self.before = self.system.spec_counters(), self.system.kv_counters()
+        self.before = self.system.spec_counters(), self.system.kv_counters(), self.system.expert_counters()
 
     def __exit__(self, *exc):
         if exc[0] is not None:
             return
         for key, after, before, delta in (("spec_decode", self.system.spec_counters(), self.before[0], spec_delta),
-                                          ("kv_cache", self.system.kv_counters(), self.before[1], kv_delta)):
+                                          ("kv_cache", self.system.kv_counters(), self.before[1], kv_delta),
+                                          ("experts", self.system.expert_counters(), self.before[2], expert_delta)):
             if before is None:
                 continue
             total = self.res.setdefault(key, {}).get(self.run)

@@ -179,3 +179,14 @@ def kv_delta(after: dict, before: dict, sign: int = 1) -> dict:
     for direction in ("device_to_cpu", "cpu_to_device", "device_to_disk", "disk_to_device"):
         out[f"{direction}_mib"] = counts[f"{direction}_bytes"] / 2**20
     return out
+
+
+def expert_delta(after: dict, before: dict, sign: int = 1) -> dict:
+    """Tokens routed to each expert of each MoE layer during one run (`after - before`; sign=-1 adds two
+    runs), with the imbalance a user looks for: per layer the busiest expert's load over the mean
+    (1.0 = even; top_k x experts would be every token on one expert), worst and mean over layers."""
+    loads = [[a - sign * b for a, b in zip(la, lb)] for la, lb in zip(after["tokens"], before["tokens"])]
+    ratios = [max(layer) * len(layer) / sum(layer) for layer in loads if sum(layer)]
+    return {"tokens": loads, "routed_pairs": sum(map(sum, loads)),
+            "max_over_mean_worst": max(ratios) if ratios else None,
+            "max_over_mean_mean": sum(ratios) / len(ratios) if ratios else None}

@@ -65,6 +65,11 @@ KV_ROWS = [
         ("moved disk -> device", "MiB", LOWER, "disk_to_device_mib"),
     )
 ]
+EXPERT_ROWS = [
+    ("experts", name, unit, LOWER, ("experts", None, key))
+    for name, unit, key in (("busiest expert's load / mean, worst layer", "x", "max_over_mean_worst"),
+                            ("busiest expert's load / mean, mean of layers", "x", "max_over_mean_mean"))
+]
 COMMON_ROWS = [
     ("start-up", "start-up (construct + warm-up)", "s", LOWER, ("startup", "total_s")),
     ("start-up", "load", "s", LOWER, ("startup", "load_s")),
@@ -87,7 +92,7 @@ def build_rows(command: str, systems: dict[str, dict], ours: list[str], peers: l
                pairs: list[tuple[str, str]] = ()) -> list[Row]:
     """Rows for every figure at least one system has; ratios of each of ours to each peer, and of each
     (a, b) in `pairs` (a speculative run to its plain run)."""
-    per_run = [(s, m, u, b, path if path[1] else (path[0], command, path[2])) for s, m, u, b, path in SPEC_ROWS + KV_ROWS]
+    per_run = [(s, m, u, b, path if path[1] else (path[0], command, path[2])) for s, m, u, b, path in SPEC_ROWS + KV_ROWS + EXPERT_ROWS]
     specs = (THROUGHPUT_ROWS if command == "throughput" else LATENCY_ROWS) + per_run + COMMON_ROWS
     rows = []
     for section, metric, unit, better, path in specs:

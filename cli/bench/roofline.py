@@ -157,11 +157,15 @@ def compute_peak(peak: dict, other_peak: dict) -> dict:
 
 
 def layer_linear_params(mc) -> int:
-    """Weights of the decoder layers' linear maps (q, k, v, o, gate, up, down), all layers."""
+    """Weights of the decoder layers' linear maps (q, k, v, o, gate, up, down), all layers, that one
+    token is computed with: in a MoE layer the router, its top_k experts and any shared expert."""
     h, d = mc.hidden_size, mc.head_dim
     attn = h * d * (2 * mc.num_heads + 2 * mc.num_kv_heads)
     mlp = 3 * h * mc.intermediate_size
-    return mc.num_layers * (attn + mlp)
+    if mc.moe is None:
+        return mc.num_layers * (attn + mlp)
+    sparse = sum(mc.moe.sparse_layers)
+    return mc.num_layers * attn + (mc.num_layers - sparse) * mlp + sparse * mc.moe.layer_parameters(h, active=True)
 
 
 def request_flops(mc, prompt_len: int, output_len: int) -> float:
@@ -178,10 +182,11 @@ def workload_flops(mc, requests) -> float:
 
 
 def decode_bytes_per_token(mc, dtype_bytes: int, context: float) -> float:
-    """Bytes one batch-1 decode step reads: all weights but the embedding table, and the context's KV."""
+    """Bytes one batch-1 decode step reads: all weights but the embedding table (of a MoE model only
+    the experts the token is routed to), and the context's KV."""
     # Untied: the embedding table is only indexed (one row); tied: it is the LM head, read whole.
     unread = 0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size
-    weights = (mc.num_parameters - unread) * dtype_bytes
+    weights = (mc.num_active_parameters - unread) * dtype_bytes
     kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype_bytes * context
     return weights + kv
 

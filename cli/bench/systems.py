@@ -90,6 +90,13 @@ class OursSystem:
         return {"queries": prefix["queries"], "hits": prefix["hits"], "device_hits": prefix["device_hits"],
                 "cpu_hits": hits.get("cpu", 0), "disk_hits": hits.get("disk", 0), **moved}
 
+    def expert_counters(self) -> dict | None:
+        """Tokens routed to each expert of each MoE layer so far (None for a dense model)."""
+        from toolkit.models.moe import expert_token_counts
+
+        counts = expert_token_counts(self.llm.engine.runner.model)
+        return {"tokens": [c.tolist() for _, c in counts]} if counts else None
+
     def _fresh(self) -> None:
         # Each timed run starts without what the warm-up or an earlier run left cached (as vLLM's does).
         self.llm.reset_prefix_cache()

@@ -270,6 +270,43 @@ def test_125m_shape_config_and_counts_match_the_model(tmp_path, monkeypatch):
     assert request_flops(mc, 3, 2) == pytest.approx(4 * 2 * linear + attention + 2 * 2 * embedding)
 
 
+def test_moe_shape_counts_match_the_model(tmp_path, monkeypatch):
+    """The MoE shape's total and per-token figures against transformers' own modules: a token is
+    computed with the router and 2 of 16 experts per layer."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("TOOLKIT_BENCH_CACHE", str(tmp_path))
+    mc = load_model_config(shape_config_only("moe-0.5b"))
+    assert mc.architecture == "Qwen3MoeForCausalLM" and (mc.moe.num_experts, mc.moe.top_k) == (16, 2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(mc.hf_config)
+    assert mc.num_parameters == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    embedding = model.get_input_embeddings().weight.numel()
+    assert 0.45e9 < mc.num_parameters < 0.55e9 and 0.09e9 < mc.num_active_parameters - embedding < 0.11e9
+    assert mc.num_parameters - mc.num_active_parameters == experts * 14 // 16
+    linear = sum(m.weight.numel() for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and ".layers." in name)
+    router = sum(p.numel() for name, p in model.named_parameters() if name.endswith("mlp.gate.weight"))
+    assert layer_linear_params(mc) == linear + router + experts * 2 // 16
+
+
+def test_expert_load_rows_on_a_moe_model(tmp_path_factory, tmp_path):
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("moe"), "qwen3_moe", seed=1)
+    report = tmp_path / "report.json"
+    result = bench("throughput", "--model", ckpt, "--num-requests", 3, "--input-len", 4, 9, "--output-len", 2, 5,
+                   "--decode-tokens", 0, "--json", report, *QUICK)
+    assert result.exit_code == 0, result.output
+    assert "busiest expert's load / mean" in result.output
+    ours = json.loads(report.read_text())["systems"]["toolkit (eager)"]
+    experts = ours["experts"]["throughput"]
+    # Every token fed (prompt and all but the last output token), times top-2, in each of the 3 layers.
+    fed = sum(r.prompt_len + r.output_len - 1 for r in random_workload(3, (4, 9), (2, 5), VOCAB, seed=0))
+    runs = len(ours["throughput"].get("runs", [None]))  # one timed run without a peer to bracket
+    assert [sum(layer) for layer in experts["tokens"]] == [2 * fed * runs] * 3
+    assert 1.0 <= experts["max_over_mean_worst"] <= 8 and experts["max_over_mean_mean"] <= experts["max_over_mean_worst"]
+
+
 # --- the report ----------------------------------------------------------------------------------
 
 

@@ -2,7 +2,8 @@
 
 Every rank builds `LLM(model, tensor_parallel_size=..., data_parallel_size=...)` for each --model
 in turn (with the n-th --speculative-config, if given, and --engine-args for all) (the same model may come several times: a process that builds engine after engine) and
-generates greedily for the prompts in --prompts; each rank writes what it saw to <out>/rank<R>.json:
+generates greedily for the prompts in --prompts (the n-th --prompts for the n-th model, the last one for
+the models after it); each rank writes what it saw to <out>/rank<R>.json:
 rank 0 the generated token ids, every rank its resident parameter bytes, its KV-cache shape and the
 graphs each engine compiled. Fault injection for the failure tests: --model-for-rank gives one rank its own
 copy of the checkpoint (e.g. one that lacks a shard file), --fail-rank/--fail-after-steps makes one
@@ -27,11 +28,12 @@ __test__ = False  # not a test module: pytest must not collect anything here
 def main() -> None:
     args = parse_args()
     rank = int(os.environ["RANK"])
-    prompts = json.loads(Path(args.prompts).read_text())
+    prompt_sets = [json.loads(Path(path).read_text()) for path in args.prompts]
     overrides = dict(item.split("=", 1) for item in args.model_for_rank)
     report = {"rank": rank, "models": []}
     specs = args.speculative_config + [None] * (len(args.model) - len(args.speculative_config))
-    for model, spec in zip(args.model, specs):
+    for i, (model, spec) in enumerate(zip(args.model, specs)):
+        prompts = prompt_sets[min(i, len(prompt_sets) - 1)]
         path = overrides.get(str(rank), model)  # the failure tests pass a single --model
         llm = LLM(
             path, dtype="float32", enforce_eager=args.compile is None, compile_backend=args.compile or "inductor",
@@ -53,6 +55,7 @@ def main() -> None:
             "spec_decode": llm.engine.stats().get("spec_decode"),
             "kv_tiers": llm.engine.stats().get("kv_tiers"),
             "prefix_cache": llm.engine.stats()["prefix_cache"],
+            **moe_report(llm),
         })
         del llm
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
@@ -67,7 +70,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", action="append", required=True)
     p.add_argument("--model-for-rank", action="append", default=[], metavar="RANK=PATH")
-    p.add_argument("--prompts", required=True)
+    p.add_argument("--prompts", action="append", required=True, metavar="JSON_FILE",
+                   help="for the n-th --model, in order (the last serves the models after it)")
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
@@ -96,6 +100,23 @@ def fail_after(llm: LLM, steps: int, mode: str) -> None:
         return step()
 
     llm.engine.step = failing_step
+
+
+def moe_report(llm: LLM) -> dict:
+    """Mixture-of-experts models: this rank's routed-expert parameters (count, first expert, shapes),
+    its per-layer tokens_per_expert, and the expert-parallel counters; {} for a dense model."""
+    from toolkit.parallel.expert_parallel import is_experts
+
+    experts = [m for m in llm.engine.runner.model.modules() if is_experts(m)]
+    if not experts:
+        return {}
+    return {
+        "expert_params": sum(m.w13.numel() + m.w2.numel() for m in experts),
+        "expert_shapes": [[list(m.w13.shape), list(m.w2.shape)] for m in experts[:1]],
+        "first_expert": [m.first_expert for m in experts],
+        "tokens_per_expert": [m.tokens_per_expert.tolist() for m in experts],
+        "expert_parallel": llm.engine.stats().get("expert_parallel"),
+    }
 
 
 def resident_param_bytes(model) -> int:

@@ -23,6 +23,8 @@ CHECK = textwrap.dedent("""
     from toolkit.scheduling import Scheduler
     from toolkit.speculative import RejectionSampler
     from toolkit.parallel import setup_parallel
+    from toolkit.moe import moe_experts
+    from toolkit.parallel.expert_parallel import ExpertParallel
     from toolkit.cli.main import app
     from toolkit.backends.cpu import build, kernels
     assert "site-packages" in toolkit.__file__, toolkit.__file__

@@ -41,20 +41,31 @@ def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
                       topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """The reference: sort the (token, slot) pairs by expert, one matmul pair per expert over its
     contiguous rows, scatter-add the weighted rows back to their tokens."""
-    T, k = topk_ids.shape
-    E_local = w13.shape[0]
+    return grouped_experts(x, topk_weights, topk_ids, first_expert, w13.shape[0],
+                           lambda e, rows: swiglu(rows, w13[e], w2[e]))
+
+
+def swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(rows, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
+                    num_local: int, expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The grouping every host implementation shares: (token, slot) pairs of local experts sorted by
+    expert, `expert_mlp(local expert, its rows) -> their outputs` once per expert that has rows, the
+    outputs weighted and summed per token in float32."""
+    k = topk_ids.shape[1]
     local = topk_ids.reshape(-1) - first_expert
-    pairs = torch.nonzero((local >= 0) & (local < E_local)).squeeze(1)  # flat (token, slot) indices
+    pairs = torch.nonzero((local >= 0) & (local < num_local)).squeeze(1)  # flat (token, slot) indices
     pairs = pairs[torch.argsort(local[pairs], stable=True)]
-    experts = local[pairs]
-    counts = torch.bincount(experts, minlength=E_local).tolist()
+    counts = torch.bincount(local[pairs], minlength=num_local).tolist()
     rows = x[pairs // k]
     out_rows = torch.empty_like(rows)
     start = 0
     for e, n in enumerate(counts):
         if n:
-            gate, up = F.linear(rows[start:start + n], w13[e]).chunk(2, dim=-1)
-            out_rows[start:start + n] = F.linear(F.silu(gate) * up, w2[e])
+            out_rows[start:start + n] = expert_mlp(e, rows[start:start + n])
             start += n
     weighted = out_rows.float() * topk_weights.reshape(-1)[pairs].float().unsqueeze(1)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

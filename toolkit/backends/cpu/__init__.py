@@ -22,6 +22,7 @@ import torch
 from toolkit import attention
 from toolkit.backends import Backend
 from toolkit.backends.cpu import kernels
+from toolkit.backends.cpu.experts import pack_experts
 from toolkit.backends.cpu.linear import LinearPlan, layer_shapes, onednn_native, pack_linears, plan_for
 
 log = logging.getLogger("toolkit")
@@ -91,7 +92,11 @@ class CPUBackend(Backend):
         self.packed_linears = pack_linears(model, plan)
         both = f"; both layouts kept: {weight_bytes / 2**20:.0f} MiB more memory" if plan.panels and plan.onednn else ""
         log.info("CPU linears: %s (%s)%s", plan.describe(), plan.source, both)
-        return [f"{self.packed_linears} linears packed: {plan.describe()}{both}"]
+        changes = [f"{self.packed_linears} linears packed: {plan.describe()}{both}"]
+        experts = pack_experts(model, plan)
+        if experts:
+            changes.append(f"the experts of {experts} MoE layers packed for the linear kernel, as the linears")
+        return changes
 
     def compile_options(self) -> dict:
         options = super().compile_options()

@@ -1,0 +1,88 @@
+"""The CPU experts (toolkit/backends/cpu/experts.py) against a float64 per-(token, slot) loop, under
+each layout plan, and in the engine: a MoE model on the CPU kernels runs them and keeps
+transformers' tokens."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
+from toolkit import LLM, SamplingParams
+from toolkit.backends.cpu import experts as cpu_experts
+from toolkit.backends.cpu import kernels
+from toolkit.backends.cpu.linear import NEVER, LinearPlan
+from toolkit.models.moe import Experts
+from toolkit.moe import ops
+
+PLANS = {
+    "panels": LinearPlan(panels=True, onednn=False, small_m=NEVER, source="test"),
+    "onednn": LinearPlan(panels=False, onednn=True, small_m=0, source="test"),
+    "both": LinearPlan(panels=True, onednn=True, small_m=3, source="test"),  # panels up to 3 rows
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.load() == {}
+    yield
+    ops.register_impl("cpu", None)  # the other modules' engines choose for themselves
+
+
+def _experts(E, H, I, dtype, seed, first_expert=0, local=None) -> Experts:
+    g = torch.Generator().manual_seed(seed)
+    m = Experts(E, H, I, num_local_experts=local, first_expert=first_expert)
+    with torch.no_grad():
+        m.w13.copy_(torch.randn(m.w13.shape, generator=g) / H**0.5)
+        m.w2.copy_(torch.randn(m.w2.shape, generator=g) / I**0.5)
+    return m.to(dtype)
+
+
+def _oracle(x, m: Experts, weights, ids) -> torch.Tensor:
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    w13, w2 = m.w13.double(), m.w2.double()
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - m.first_expert
+            if 0 <= e < w13.shape[0]:
+                gate, up = (x[t].double() @ w13[e].T).chunk(2)
+                out[t] += float(weights[t, j]) * ((F.silu(gate) * up) @ w2[e].T)
+    return out
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("routing", ["random", "skewed", "ep"])
+def test_cpu_experts_match_float64(plan, dtype, tol, routing):
+    E, H, I, T, k = 8, 40, 24, 19, 2
+    g = torch.Generator().manual_seed(3)
+    first, local = (4, 4) if routing == "ep" else (0, None)
+    m = _experts(E, H, I, dtype, seed=1, first_expert=first, local=local)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    if routing == "skewed":
+        ids[:, 0], ids[:, 1] = 5, 2  # every token on the same two experts: rows past both small_m paths
+    ids[3] = torch.tensor([6, 6])  # one token on one expert twice
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1)
+    assert cpu_experts.pack_experts(torch.nn.ModuleList([m]), PLANS[plan]) == 1
+    assert ops.impl_for(torch.device("cpu")) is cpu_experts.moe_experts_cpu
+    calls = []
+    real = cpu_experts._Packed.mlp
+    cpu_experts._Packed.mlp = lambda self, e, rows: calls.append(e) or real(self, e, rows)
+    try:
+        out = ops.moe_experts(x, m.w13, m.w2, weights, ids, first)
+    finally:
+        cpu_experts._Packed.mlp = real
+    assert calls, "the packed experts did not serve the op"
+    ref = _oracle(x, m, weights, ids)
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_a_moe_model_on_the_cpu_kernels_runs_them_and_keeps_transformers_tokens(tmp_path):
+    ckpt = write_checkpoint(tmp_path, "qwen3_moe", seed=4)
+    prompts = random_prompts(3, seed=6, low=5, high=30)
+    llm = LLM(str(ckpt), dtype="float32", enforce_eager=True, max_model_len=96)
+    assert any("MoE layers packed" in c for c in llm.engine.stats()["model_changes"])
+    assert ops.impl_for(torch.device("cpu")) is cpu_experts.moe_experts_cpu
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, prompts, 8)

@@ -4,32 +4,10 @@ By default they run on CPU under the Triton interpreter (TRITON_INTERPRET=1), so
 Set TOOLKIT_TEST_DEVICE=cuda to run the same checks with compiled kernels on a GPU.
 """
 
-import os
 import random
-import re
-import subprocess
-import sys
-from pathlib import Path
 
-DEVICE = os.environ.get("TOOLKIT_TEST_DEVICE", "cpu")
-
-
-def _interpreter_still_possible() -> bool:
-    # TRITON_INTERPRET must be set before triton is first imported: triton's own @jit helpers
-    # (tl.zeros, tl.max, ...) are built at import, and a non-interpreted one called from an
-    # interpreted kernel raises. Another test module (anything importing torch._inductor) may have
-    # imported triton already in this pytest process.
-    if "triton" not in sys.modules:
-        return True
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.zeros, InterpretedFunction)
-
-
-NEEDS_FRESH_PROCESS = DEVICE == "cpu" and not _interpreter_still_possible()
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_interpreter import (  # noqa: I001  first: sets TRITON_INTERPRET before triton loads
+    DEVICE, NEEDS_FRESH_PROCESS, run_module_in_fresh_process, skip_unless_here)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -42,22 +20,13 @@ from tests.attention.batches import make_batch, random_specs  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def run_here_or_in_fresh_process(request):
-    if NEEDS_FRESH_PROCESS and request.node.originalname != "test_module_in_fresh_process":
-        pytest.skip("triton was imported without TRITON_INTERPRET; test_module_in_fresh_process runs these")
+    skip_unless_here(request)
 
 
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernels were tested in this process")
 def test_module_in_fresh_process():
     """This whole module, in a new interpreter where TRITON_INTERPRET is set before triton loads."""
-    if os.environ.get("_ATTENTION_TRITON_CHILD"):
-        pytest.fail("triton was imported before TRITON_INTERPRET even in a fresh process")
-    root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    env = dict(os.environ, TRITON_INTERPRET="1", _ATTENTION_TRITON_CHILD="1")
-    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) >= 15, result.stdout[-3000:]  # the kernels really ran
+    run_module_in_fresh_process(__file__, min_passed=15, timeout=900)
 
 
 def to_device(batch):

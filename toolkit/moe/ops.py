@@ -80,12 +80,13 @@ def count_tokens(tokens_per_expert: torch.Tensor, topk_ids: torch.Tensor, first_
     tokens_per_expert += torch.bincount(local, minlength=tokens_per_expert.shape[0])[:tokens_per_expert.shape[0]]
 
 
-def register_impl(device_type: str, impl: ExpertsImpl | None) -> None:
+def register_impl(device_type: str, impl: ExpertsImpl | None, replace: bool = True) -> None:
     """Use `impl` (the reference's signature and contract) for inputs on `device_type` ("cpu", "cuda");
-    None restores the default (CUDA: the Triton kernel; elsewhere the torch reference)."""
+    None restores the default (CUDA: the Triton kernel; elsewhere the torch reference). A device
+    backend registers its own with replace=False, so an implementation the user plugged in wins."""
     if impl is None:
         _IMPLS.pop(device_type, None)
-    else:
+    elif replace or device_type not in _IMPLS:
         _IMPLS[device_type] = impl
 
 

@@ -67,7 +67,7 @@ def pack_experts(model: nn.Module, plan: LinearPlan) -> int:
         weakref.finalize(experts.w13, _PACKED.pop, key, None)
         count += 1
     if count:
-        register_impl("cpu", moe_experts_cpu)
+        register_impl("cpu", moe_experts_cpu, replace=False)
     return count
 
 

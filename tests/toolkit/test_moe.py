@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.checkpoints import MOE_FAMILIES, hf_greedy, random_prompts, write_checkpoint
-from tests.toolkit.test_parity import count_preemptions, first_diff, make_llm, prefill_logits
+from tests.toolkit.test_parity import check_prefill_logits, count_preemptions, first_diff, make_llm, prefill_logits
 from toolkit import LLM, SamplingParams
 from toolkit.config import UnsupportedModelError, load_model_config
 from toolkit.moe import ops as moe_ops
@@ -192,16 +192,8 @@ def test_greedy_tokens_match_transformers(moe_case, backend, mode, one_torch_thr
 
 @pytest.mark.parametrize("backend", ["eager-kernels", "eager-torch"])
 def test_prefill_logits_match_transformers(moe_case, backend, one_torch_thread):
-    from transformers import AutoModelForCausalLM
-
     family, path, prompts, _ = moe_case
-    runner = make_llm(family, path, backend).engine.runner
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for prompt in prompts[:3]:
-        ours = prefill_logits(runner, prompt)
-        with torch.no_grad():
-            theirs = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    check_prefill_logits(family, path, prompts[:3], backend)
 
 
 def test_bfloat16_prefill_logits_are_as_close_as_transformers_in_bfloat16(moe_case, one_torch_thread):

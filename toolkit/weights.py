@@ -95,8 +95,13 @@ def load_weights(
     `skip(name)` names checkpoint tensors not read at all."""
     read_slice = read_slice or (lambda name, sl: sl[:])
     params = dict(model.named_parameters())
-    if model.config.tie_word_embeddings:
-        params.pop("lm_head.weight", None)  # tied to the embedding after loading
+    # Tied embeddings: lm_head is the embedding, tied after loading; a last pipeline stage holds the
+    # lm_head without the embedding (parallel/pipeline.py) and reads the embedding's tensor into it.
+    aliases = {}
+    if model.config.tie_word_embeddings and "model.embed_tokens.weight" in params:
+        params.pop("lm_head.weight", None)
+    elif model.config.tie_word_embeddings and "lm_head.weight" in params:
+        aliases["model.embed_tokens.weight"] = "lm_head.weight"
     stacks = _ExpertStacks(model, dtype, device)
     loaded: set[str] = set()
     for file in checkpoint_files(path):
@@ -106,12 +111,17 @@ def load_weights(
                     continue
                 if skip is not None and skip(name):
                     continue
+                key = name  # the checkpoint's name; `name` is the parameter's
+                if name in aliases:
+                    if aliases[name] in loaded:
+                        continue  # the checkpoint also holds lm_head.weight itself
+                    name = aliases[name]
                 if name not in params and stacks.owns(name):
                     stacks.load(name, file, lambda: read_slice(name, f.get_slice(name)))
                     continue
                 if name not in params:
                     raise CheckpointError(f"unexpected tensor {name!r} in {file.name}: the model has no such parameter")
-                tensor = read_slice(name, f.get_slice(name))
+                tensor = read_slice(name, f.get_slice(key))
                 expected = tuple(params[name].shape)
                 if tuple(tensor.shape) != expected:
                     raise CheckpointError(
@@ -197,7 +207,7 @@ LOAD_FORMATS = ("safetensors", "dummy")
 
 def load_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int, load_format: str = "safetensors",
-    tp=None, ep=None,
+    tp=None, ep=None, stage=None,
 ) -> nn.Module:
     """`load_format="dummy"` fills seeded random weights instead of reading files (benchmarks of model shapes).
 
@@ -205,10 +215,16 @@ def load_model(
     loading and reads only this rank's slices; `transforms.apply` installs the DTensor plan after.
     `ep` (a `parallel.ExpertParallel`, or None) gives every `Experts` only this rank's experts (and
     their `first_expert`) first, so only their tensors are read.
+    `stage` (a `parallel.pipeline.StageSplit`, or None) cuts the meta model to one pipeline stage's
+    layers and ends first, so only the stage's tensors are read.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
     model = build_model(config, max_positions)
+    if stage is not None:
+        from toolkit.parallel.pipeline import split_stage
+
+        split_stage(model, stage)
     if ep is not None:
         ep.shard_meta(model)
     if tp is not None:
@@ -216,7 +232,8 @@ def load_model(
     if load_format == "dummy":
         fill_random(model, dtype, device, std=getattr(config.hf_config, "initializer_range", 0.02))
     else:
-        load_weights(model, config.path, dtype, device, read_slice=tp.read_slice if tp is not None else None)
+        load_weights(model, config.path, dtype, device, read_slice=tp.read_slice if tp is not None else None,
+                     skip=stage.skips if stage is not None else None)
     model.tie_weights()
     return model.to(device).eval().requires_grad_(False)
 

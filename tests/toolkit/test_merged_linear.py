@@ -76,7 +76,7 @@ def test_engine_merges_and_matches_transformers(tmp_path):
     runner = llm.engine.runner
     layers = llm.engine.model_config.num_layers
     assert f"{2 * layers} linear groups merged" in llm.engine.stats()["model_changes"]
-    attn = runner.model.model.layers[0].self_attn
+    attn = runner.model.model.layers["0"].self_attn
     assert attn.k_proj is None and attn.v_proj is None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

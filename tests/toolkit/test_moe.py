@@ -281,7 +281,7 @@ def test_loader_reads_only_local_experts_and_names_missing_ones(qwen2_moe_ckpt, 
                  read_slice=lambda name, sl: read.append(name) or sl[:])
     experts = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
     assert experts == {4, 5, 6, 7}
-    ours, theirs = model.model.layers[0].mlp.experts, full.model.layers[0].mlp.experts
+    ours, theirs = model.model.layers["0"].mlp.experts, full.model.layers["0"].mlp.experts
     assert torch.equal(ours.w13, theirs.w13[4:]) and torch.equal(ours.w2, theirs.w2[4:])
 
     def half_intermediate(name, sl):  # rank 1 of 2 over the experts' intermediate dimension
@@ -291,8 +291,8 @@ def test_loader_reads_only_local_experts_and_names_missing_ones(qwen2_moe_ckpt, 
 
     model = local_model(8, 0, 16)
     load_weights(model, qwen2_moe_ckpt, torch.float32, torch.device("cpu"), read_slice=half_intermediate)
-    ours = model.model.layers[2].mlp.experts
-    full2 = full.model.layers[2].mlp.experts
+    ours = model.model.layers["2"].mlp.experts
+    full2 = full.model.layers["2"].mlp.experts
     assert torch.equal(ours.w13[:, :16], full2.w13[:, 16:32]) and torch.equal(ours.w13[:, 16:], full2.w13[:, 48:])
     assert torch.equal(ours.w2, full2.w2[:, :, 16:])
 

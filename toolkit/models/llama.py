@@ -128,15 +128,19 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        # Keyed by layer index, so a pipeline stage holding some of them keeps the checkpoint's names.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata, hidden=None):
+        # A pipeline stage (parallel/pipeline.py) holds a run of the layers and their KV caches: only the
+        # first has the embedding (the others continue from the previous stage's `hidden`), only the last
+        # the final norm.
+        x = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden
         rope = self.rotary_emb(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers.values(), kv_caches):
             x = layer(rope, x, kv_cache, meta)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,10 +153,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        # (A last pipeline stage without the embedding loads the tied tensor into lm_head itself.)
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches, meta, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) of the positions in `logits_indices`: the last token of each sampled request."""
-        hidden = self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta, logits_indices: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (float32) of the positions in `logits_indices`: the last token of each sampled request.
+        A pipeline stage before the last has no lm_head: it returns every token's hidden state."""
+        hidden = self.model(input_ids, positions, kv_caches, meta, hidden)
+        if self.lm_head is None:
+            return hidden
         return self.lm_head(hidden[logits_indices]).float()

@@ -108,8 +108,8 @@ class SparseMoE(nn.Module):
 def expert_token_counts(model: nn.Module) -> list[tuple[int, torch.Tensor]]:
     """(layer index, its Experts' tokens_per_expert) for every MoE layer of a decoder model, in order."""
     counts = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in model.model.layers.items():
         block = getattr(layer, layer.mlp_name, None)
         if isinstance(block, SparseMoE):
-            counts.append((i, block.experts.tokens_per_expert))
+            counts.append((int(i), block.experts.tokens_per_expert))
     return counts

@@ -213,7 +213,7 @@ def pack_linears(model: nn.Module, plan: LinearPlan) -> int:
 
 def layer_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """(N, K) of the first decoder layer's linears: the shapes the choice is measured on."""
-    layer = model.model.layers[0]
+    layer = next(iter(model.model.layers.values()))
     return sorted({(m.out_features, m.in_features) for m in layer.modules() if isinstance(m, nn.Linear)})
 
 

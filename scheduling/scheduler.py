@@ -41,9 +41,13 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"  # "swap" needs a connector with a CPU tier (kv_tiers.py)
+    # Step plans that may be in flight at once (pipeline parallelism: one per stage). Each plan then takes
+    # at most 1/depth of the live requests, so the plans in flight stay about the same size.
+    max_plans_in_flight: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "max_plans_in_flight"):
             value = getattr(self, name)
             # bool is an int subclass; True as a block count is a bug, not a 1.
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -108,6 +112,9 @@ class Scheduler:
         self._waiting: list[tuple[tuple, Request]] = []  # a heap on the key
         self._running: list[Request] = []  # sorted by key
         self._rejected: list[Request] = []  # failed alone, to report in the next SchedulerOutput
+        # Scheduled in a plan whose update() has not come yet (several plans in flight: pipeline
+        # parallelism). Such a request is neither scheduled again nor preempted until it has.
+        self._in_step: set[str] = set()
         self._arrivals = itertools.count()
 
     # ---- requests in and out ------------------------------------------------------------------
@@ -176,6 +183,7 @@ class Scheduler:
         self.kv_cache.free(request)
         del self._requests[request.request_id]
         del self._keys[request.request_id]
+        self._in_step.discard(request.request_id)
 
     def has_unfinished(self) -> bool:
         # Pending rejections count: the engine must call schedule() once more to report them.
@@ -199,6 +207,11 @@ class Scheduler:
         return self._requests[request_id]
 
     @property
+    def num_in_step(self) -> int:
+        """Requests scheduled in plans still in flight (awaiting their update())."""
+        return len(self._in_step)
+
+    @property
     def num_free_blocks(self) -> int:
         return self.kv_cache.num_free_blocks
 
@@ -216,10 +229,12 @@ class Scheduler:
         out = SchedulerOutput(rejected=self._rejected)
         self._rejected = []
         budget = self.config.max_num_batched_tokens
-        decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
+        ready = [r for r in self._running if r.request_id not in self._in_step]
+        decodes = [r for r in ready if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in ready if r.num_tokens - r.num_computed_tokens > 1]
+        cap = self._plan_cap()
         for request in decodes + prefills:
-            if budget == 0:
+            if budget == 0 or len(out.scheduled) >= cap:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step to make room for an older request
@@ -233,14 +248,20 @@ class Scheduler:
         # After a preemption blocks are short, and the head of the waiting queue is now the request
         # just preempted, which must not run in the step that preempted it.
         if not out.preempted:
-            budget = self._admit_waiting(budget, out)
+            budget = self._admit_waiting(budget, out, cap)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        self._in_step.update(scheduled.request_id for scheduled in out.scheduled)
         if self.connector is not None:
             self.connector.blocks_evicted(self.kv_cache.block_pool.drain_evicted())
             out.kv_transfer = self.connector.build_plan()
         else:
             self.kv_cache.block_pool.drain_evicted()
         return out
+
+    def _plan_cap(self) -> int:
+        """Requests one plan may take: all, or with several plans in flight 1/depth of the live ones."""
+        depth = self.config.max_plans_in_flight
+        return self.config.max_num_seqs if depth == 1 else max(1, -(-len(self._requests) // depth))
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, out: SchedulerOutput, num_drafts: int = 0
@@ -255,7 +276,10 @@ class Scheduler:
             block_table, kept = self._allocate(request, num_new, num_drafts)
             if block_table is not None:
                 return block_table, refund, kept
-            victim = self._running[-1]
+            # The last-served request not awaiting a plan in flight (its KV is being written there).
+            victim = next(r for r in reversed(self._running) if r.request_id not in self._in_step)
+            if victim is request and self._in_step:
+                return None, refund, 0  # rather than preempt itself, wait for a plan in flight to return
             if victim is request and len(self._running) == 1:
                 # add_request only admits requests that fit the whole cache; reaching here is a bug,
                 # and raising beats preempting the request forever.
@@ -303,6 +327,7 @@ class Scheduler:
         self._running.remove(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
+        self._in_step.discard(request.request_id)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         heapq.heappush(self._waiting, (self._keys[request.request_id], request))
@@ -312,10 +337,11 @@ class Scheduler:
                 return scheduled.num_new_tokens
         return 0
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+    def _admit_waiting(self, budget: int, out: SchedulerOutput, cap: int) -> int:
         in_flight = self._prompt_blocks_in_flight()
         deferred = []
-        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while (self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs
+               and len(out.scheduled) < cap):
             request = self._waiting[0][1]
             if in_flight and self._next_block_in_flight(request, in_flight):
                 # A running request is computing this prompt's next block: wait a step or two and
@@ -432,6 +458,7 @@ class Scheduler:
         self._count_admissions()
         finished = []
         for scheduled in output.scheduled:
+            self._in_step.discard(scheduled.request_id)
             request = self._requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished by the engine (abort, stop string) between schedule and update

@@ -9,8 +9,8 @@ fails on every rank at once with the same message, instead of one rank waiting f
 Mesh: `init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))`. Pipeline
 parallelism's stage loop is not implemented yet (parallel/pipeline.py has the stage split); its
 dimension is there with size 1 so the layout (tp innermost: a TP group is consecutive ranks, i.e.
-one node's devices) stays the same when it is. Expert parallelism has no mesh dimension of its own: its group is every rank (tp x dp, as vLLM's),
-built in parallel/expert_parallel.py.
+one node's devices) stays the same when it is. Expert parallelism has no mesh dimension of its own:
+its group is every rank (tp x dp, as vLLM's), built in parallel/expert_parallel.py.
 """
 
 from __future__ import annotations

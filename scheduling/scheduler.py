@@ -13,6 +13,10 @@ which writes its own KV for the drafts it proposes after the step, into the same
 Prefix caching makes a prefix hit one more: a new request starts with `num_computed_tokens` at its
 longest cached prefix, on the device (shared blocks) or in a KV connector's tiers (blocks loaded by
 the step's `kv_transfer` plan before its forward), and only the rest is scheduled.
+
+Several plans may be in flight at once (`max_plans_in_flight`, for pipeline stages): a request
+scheduled in a plan whose `update` has not come is neither scheduled again nor preempted, and each
+plan takes at most 1/depth of the live requests, so the plans in flight stay about equal.
 """
 
 from __future__ import annotations

@@ -42,27 +42,29 @@ class IOArgs:
 
 @dataclass
 class Ranks:
-    """This process's place in a tp x dp launch (tp innermost, as parallel's mesh lays it out)."""
+    """This process's place in a dp x pp x tp launch (tp innermost, then the pipeline stages, as
+    parallel's mesh lays it out)."""
 
     tp: int = 1
     dp: int = 1
     rank: int = 0
+    pp: int = 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.pp
 
     @property
     def replica(self) -> int:
-        return self.rank // self.tp
+        return self.rank // (self.tp * self.pp)
 
     @property
     def main(self) -> bool:  # global rank 0: output (or the merge), progress, summary, resume scan
         return self.rank == 0
 
     @property
-    def writer(self) -> bool:  # its replica's TP rank 0: writes the replica's records
-        return self.rank % self.tp == 0
+    def writer(self) -> bool:  # its replica's first rank (stage 0, TP rank 0): writes the replica's records
+        return self.rank % (self.tp * self.pp) == 0
 
 
 def generate(
@@ -124,6 +126,8 @@ def generate(
     preemption_mode: o.PreemptionOpt = o.PreemptionMode.recompute,
     tp: o.TensorParallelOpt = 1,
     dp: o.DataParallelOpt = 1,
+    pp: o.PipelineParallelOpt = 1,
+    pp_layer_partition: o.PipelinePartitionOpt = None,
     enable_expert_parallel: o.ExpertParallelOpt = False,
     verbose: o.VerboseOpt = False,
 ):
@@ -143,23 +147,24 @@ def generate(
         dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, eager=eager,
         attention_backend=attention_backend, device=device, tensor_parallel_size=tp, data_parallel_size=dp,
-        cpu_linear=cpu_linear, enable_expert_parallel=enable_expert_parallel,
+        cpu_linear=cpu_linear, enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp,
+        pp_layer_partition=pp_layer_partition,
     )
     engine.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                               kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                               preemption_mode=preemption_mode))
-    ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")))
+    ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp)
     try:
         if speculative_config is not None:
             engine["speculative_config"] = o.parse_speculative_config(speculative_config, model)
-        if tp * dp > 1:
+        if ranks.world > 1:
             check_parallel_args(io, dp)
             if "RANK" not in os.environ:
-                # Before starting tp x dp processes that would all fail.
-                check_model_splits(model, tp, dp, enable_expert_parallel)
+                # Before starting tp x dp x pp processes that would all fail.
+                check_model_splits(model, tp, dp, enable_expert_parallel, pp, pp_layer_partition)
             from toolkit.parallel import maybe_relaunch
 
-            relaunched = maybe_relaunch(tp * dp)  # outside torchrun: run this command as tp x dp processes
+            relaunched = maybe_relaunch(ranks.world)  # outside torchrun: run this command as that many processes
             if relaunched is not None:
                 raise typer.Exit(relaunched)
         try:
@@ -192,8 +197,10 @@ def check_parallel_args(io: IOArgs, dp: int) -> None:
         raise CliError("--dp writes one shard file per replica, merged at the end: give --output FILE")
 
 
-def check_model_splits(model: Path | None, tp: int, dp: int = 1, expert_parallel: bool = False) -> None:
+def check_model_splits(model: Path | None, tp: int, dp: int = 1, expert_parallel: bool = False, pp: int = 1,
+                       pp_layer_partition: str | None = None) -> None:
     from toolkit.parallel.expert_parallel import check_expert_parallel, num_experts
+    from toolkit.parallel.pipeline import layer_partition
     from toolkit.parallel.tensor_parallel import check_tensor_parallel
     from toolkit.config import load_model_config
 
@@ -204,8 +211,10 @@ def check_model_splits(model: Path | None, tp: int, dp: int = 1, expert_parallel
         if expert_parallel:
             check_expert_parallel(config, tp * dp)
         check_tensor_parallel(config, tp, expert_parallel=expert_parallel)
+        layer_partition(config.num_layers, pp, pp_layer_partition)
     except (OSError, ValueError) as e:
         flags = f"--tp {tp} --dp {dp} --enable-expert-parallel" if expert_parallel else f"--tp {tp}"
+        flags += f" --pp {pp}" if pp > 1 else ""
         raise CliError(f"{flags}: {e}") from None
 
 
@@ -314,6 +323,7 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
                            "command to resume", code=EXIT_INTERRUPTED) from None
     stats.spec = engine.stats().get("spec_decode")
     stats.kv = kv_summary(engine)
+    stats.pipeline = engine.pipeline_stats()  # a collective over the replica's ranks
     if share is not None:
         from toolkit.parallel import gather_replicas
 

@@ -126,16 +126,24 @@ DeviceOpt = Annotated[Optional[str], typer.Option(
     rich_help_panel=ENGINE, show_default=False, help="cuda, cuda:1, cpu, ... Default: cuda when available.")]
 
 # --- parallel --------------------------------------------------------------------------------
-# `generate` relaunches itself through torch.distributed.run (parallel.maybe_relaunch(tp * dp)) when
-# tp * dp > 1 outside torchrun; inside torchrun each process is one SPMD rank.
+# `generate` relaunches itself through torch.distributed.run (parallel.maybe_relaunch(tp * dp * pp)) when
+# tp * dp * pp > 1 outside torchrun; inside torchrun each process is one SPMD rank.
 
 TensorParallelOpt = Annotated[int, typer.Option(
     "--tp", "--tensor-parallel-size", min=1, rich_help_panel=PARALLEL,
-    help="Processes that split each layer (tensor parallel). tp x dp > 1 starts that many processes by itself.")]
+    help="Processes that split each layer (tensor parallel). tp x dp x pp > 1 starts that many processes by itself.")]
 DataParallelOpt = Annotated[int, typer.Option(
     "--dp", "--data-parallel-size", min=1, rich_help_panel=PARALLEL,
     help="Independent replicas, each serving a share of the input lines (needs --input/--output); "
          "each writes OUTPUT.dpI-of-N, merged into OUTPUT at the end.")]
+PipelineParallelOpt = Annotated[int, typer.Option(
+    "--pp", "--pipeline-parallel-size", min=1, rich_help_panel=PARALLEL,
+    help="Processes that each hold a run of the layers (pipeline stages), with up to this many batches in "
+         "flight so every stage works; world = tp x dp x pp, started by itself like --tp.")]
+PipelinePartitionOpt = Annotated[Optional[str], typer.Option(
+    "--pp-layer-partition", rich_help_panel=PARALLEL, show_default=False,
+    help="Layers per pipeline stage, e.g. 4,4,5,3 (must sum to the model's layers). Default: even, the "
+         "leftover layers to the stages before the last (vLLM's split).")]
 ExpertParallelOpt = Annotated[bool, typer.Option(
     "--enable-expert-parallel", rich_help_panel=PARALLEL,
     help="MoE models: split the experts over all tp x dp processes (all-to-all) instead of splitting each "
@@ -146,7 +154,8 @@ def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_bat
                   max_model_len: int | None, kv_cache_memory: int | None, eager: bool,
                   attention_backend: AttentionBackend | None, device: str | None,
                   tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                  cpu_linear: CpuLinear | None = None, enable_expert_parallel: bool = False) -> dict:
+                  cpu_linear: CpuLinear | None = None, enable_expert_parallel: bool = False,
+                  pipeline_parallel_size: int = 1, pp_layer_partition: str | None = None) -> dict:
     """EngineConfig's fields from the engine options (`LLM(model, **engine_kwargs(...))` takes the same).
     Options left unset are left out, so EngineConfig's own defaults (and the environment's) apply."""
     kwargs = dict(
@@ -160,6 +169,10 @@ def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_bat
         kwargs["cpu_linear"] = cpu_linear.value
     if enable_expert_parallel:
         kwargs["enable_expert_parallel"] = True
+    if pipeline_parallel_size > 1:
+        kwargs["pipeline_parallel_size"] = pipeline_parallel_size
+    if pp_layer_partition is not None:
+        kwargs["pp_layer_partition"] = pp_layer_partition
     return kwargs
 
 

@@ -32,6 +32,7 @@ class RunStats:
         self.tpot = array("d")
         self.spec: dict | None = None  # the engine's speculative-decoding counters (Engine.stats()["spec_decode"])
         self.kv: dict | None = None  # the prefix cache's and KV tiers' counters (kv_summary)
+        self.pipeline: list[dict] | None = None  # each pipeline stage's busy/idle time (Engine.pipeline_stats)
         self.start = time.monotonic()
 
     def add_output(self, out: RequestOutput) -> int:
@@ -73,6 +74,7 @@ class RunStats:
             "tpot_s": percentiles(self.tpot),
             "spec_decode": self.spec,
             "kv_cache": self.kv,
+            "pipeline": self.pipeline,
         }
 
 
@@ -111,8 +113,17 @@ def print_summary(stats: RunStats, console: Console, output: str) -> None:
         table.add_row("prefix cache", prefix_summary(s["kv_cache"]))
         if s["kv_cache"]["bytes_moved"]:
             table.add_row("KV moved", moved_summary(s["kv_cache"]))
+    if s["pipeline"]:
+        table.add_row("pipeline idle", pipeline_summary(s["pipeline"]))
     table.add_row("output", output)
     console.print(table)
+
+
+def pipeline_summary(stages: list[dict]) -> str:
+    """Each stage's idle share of its time, over the run and over its decode-only steps."""
+    return "; ".join(f"stage {st['stage'] + 1} (layers {st['layers'][0]}-{st['layers'][1] - 1}) "
+                     f"{100 * st['idle_fraction']:.0f}% (decode {100 * st['decode_idle_fraction']:.0f}%)"
+                     for st in stages)
 
 
 def summary_line(stats: RunStats, output: str) -> str:
@@ -123,6 +134,7 @@ def summary_line(stats: RunStats, output: str) -> str:
             f"({s['output_tokens_per_s']:.1f} tok/s)"
             + (f", speculation: {spec_summary(s['spec_decode'])}" if s["spec_decode"] is not None else "")
             + (f", prefix cache: {prefix_summary(s['kv_cache'])}" if s["kv_cache"] is not None else "")
+            + (f", pipeline idle: {pipeline_summary(s['pipeline'])}" if s["pipeline"] else "")
             + f" -> {output}")
 
 

@@ -1,4 +1,4 @@
-"""Data parallelism: dp independent replicas (each a TP group with its own engine), requests split.
+"""Data parallelism: dp independent replicas (each pp x tp ranks with its own engine), requests split.
 
 Every rank sees the whole prompt list and computes the same split, so no request list is ever sent.
 The split balances tokens, not counts: a request costs its prompt plus the tokens it may generate,
@@ -51,16 +51,17 @@ def gather_outputs(state, indices: list[int], outputs: list, total: int) -> list
 
 
 def gather_replicas(state, obj) -> list | None:
-    """One picklable object from each replica (its TP rank 0), in replica order, on global rank 0;
-    None on every other rank. The TP ranks of a replica hold the same results: one copy is sent."""
+    """One picklable object from each replica (its first rank: pipeline stage 0, TP rank 0), in replica
+    order, on global rank 0; None on every other rank. Every rank of a replica holds the same results
+    (TP ranks sample alike, a pipeline's last stage sends its tokens to all): one copy is sent."""
     if state.dp_size == 1:
         return [obj] if state.is_main else None
-    mine = obj if state.tp_rank == 0 else None
+    mine = obj if state.rank % state.replica_size == 0 else None
     parts = [None] * state.world_size if state.is_main else None
     dist.gather_object(mine, parts, dst=0, group=state.gather_group)
     if not state.is_main:
         return None
-    return parts[:: state.tp_size]  # global ranks dp * tp + 0: each replica's TP rank 0
+    return parts[:: state.replica_size]  # global ranks dp * pp * tp: each replica's first rank
 
 
 class Lockstep:

@@ -6,11 +6,11 @@ torchrun sets. This module checks the requested sizes against that world, and th
 counts against the tensor-parallel size, before any collective or weight read: a bad configuration
 fails on every rank at once with the same message, instead of one rank waiting for another forever.
 
-Mesh: `init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))`. Pipeline
-parallelism's stage loop is not implemented yet (parallel/pipeline.py has the stage split); its
-dimension is there with size 1 so the layout (tp innermost: a TP group is consecutive ranks, i.e.
-one node's devices) stays the same when it is. Expert parallelism has no mesh dimension of its own:
-its group is every rank (tp x dp, as vLLM's), built in parallel/expert_parallel.py.
+Mesh: `init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))`: tp innermost,
+so a TP group is consecutive ranks (one node's devices), then the pipeline stages of a replica
+(parallel/pipeline.py), then the replicas. Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
+Expert parallelism has no mesh dimension of its own: its group is every rank (tp x dp, as vLLM's),
+built in parallel/expert_parallel.py.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class ParallelState:
     ep: object | None = None  # parallel.ExpertParallel with enable_expert_parallel (MoE models), else None
     # parallel.Lockstep when replicas must step together (dp > 1 with expert parallelism), else None
     lockstep: object | None = None
+    pp: object | None = None  # parallel.pipeline.PipelineParallel when pp > 1, else None
 
     @property
     def rank(self) -> int:
@@ -76,6 +77,15 @@ class ParallelState:
     @property
     def tp_rank(self) -> int:
         return self.mesh.get_local_rank("tp")
+
+    @property
+    def pp_size(self) -> int:
+        return self.mesh["pp"].size()
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks per data-parallel replica: its pipeline stages times its TP ranks."""
+        return self.pp_size * self.tp_size
 
     @property
     def is_main(self) -> bool:
@@ -111,32 +121,38 @@ def dist_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def check_sizes(tp: int, dp: int, world_size: int) -> None:
-    for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+def check_sizes(tp: int, dp: int, world_size: int, pp: int = 1) -> None:
+    sizes = (("tensor_parallel_size", tp), ("data_parallel_size", dp), ("pipeline_parallel_size", pp))
+    for name, size in sizes:
         if not isinstance(size, int) or size < 1:
             raise ParallelConfigError(f"{name} must be an integer >= 1, got {size!r}")
-    if tp * dp != world_size:
+    need = tp * dp * pp
+    if need != world_size:
+        product = f"tp x dp{' x pp' if pp > 1 else ''} = {need} processes"
         hint = (
-            f"launch tp x dp = {tp * dp} processes, or choose sizes whose product is {world_size}"
+            f"launch {product}, or choose sizes whose product is {world_size}"
             if "LOCAL_RANK" in os.environ  # inside torchrun
-            else f"start it with torchrun --nproc-per-node {tp * dp} (or `toolkit generate --tp/--dp`, "
+            else f"start it with torchrun --nproc-per-node {need} (or `toolkit generate --tp/--dp/--pp`, "
             "which does that by itself)"
         )
+        pp_part = f" x pipeline_parallel_size {pp}" if pp > 1 else ""
         raise ParallelConfigError(
-            f"tensor_parallel_size {tp} x data_parallel_size {dp} = {tp * dp} processes, "
+            f"tensor_parallel_size {tp} x data_parallel_size {dp}{pp_part} = {need} processes, "
             f"but this launch has a world size of {world_size}: {hint}"
         )
 
 
 def setup_parallel(tp: int, dp: int, device: str | torch.device | None, model_config,
-                   expert_parallel: bool = False) -> ParallelState | None:
+                   expert_parallel: bool = False, pp: int = 1, pp_layer_partition: str | None = None,
+                   ) -> ParallelState | None:
     """Join the process group and build the mesh; None for a plain single-process run.
 
-    `model_config` is checked against tp first (heads divisible, see `check_tensor_parallel`), and
-    with `expert_parallel` its experts against tp x dp, so those errors are raised before anything
-    is loaded or any peer is waited for.
+    `model_config` is checked against tp first (heads divisible, see `check_tensor_parallel`), with
+    `expert_parallel` its experts against tp x dp, and with pp > 1 its layers against the stages
+    (`layer_partition`), so those errors are raised before anything is loaded or any peer is waited for.
     """
     from toolkit.parallel.expert_parallel import check_expert_parallel, num_experts
+    from toolkit.parallel.pipeline import layer_partition
     from toolkit.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
 
     world = launched_world_size()
@@ -144,15 +160,16 @@ def setup_parallel(tp: int, dp: int, device: str | torch.device | None, model_co
         log.warning("enable_expert_parallel: %s has no routed experts; ignored",
                     getattr(model_config, "path", "the model"))
         expert_parallel = False
-    if tp * dp == 1 and world == 1:
+    stage_sizes = layer_partition(model_config.num_layers, pp, pp_layer_partition)
+    if tp * dp * pp == 1 and world == 1:
         return None
-    check_sizes(tp, dp, world)
+    check_sizes(tp, dp, world, pp)
     if expert_parallel:
         check_expert_parallel(model_config, tp * dp)
     check_tensor_parallel(model_config, tp, expert_parallel=expert_parallel)
     device = local_device(device)
     _init_process_group(device, world)
-    mesh = init_device_mesh(device.type, (dp, 1, tp), mesh_dim_names=MESH_DIM_NAMES)
+    mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=MESH_DIM_NAMES)
     _log_rank0_only()
     tp_helper = TensorParallel(mesh["tp"], model_config, device, expert_parallel=expert_parallel) if tp > 1 else None
     gather_group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT) if dp > 1 else None
@@ -165,13 +182,25 @@ def setup_parallel(tp: int, dp: int, device: str | torch.device | None, model_co
                             tp_rank=mesh.get_local_rank("tp"), tp_size=tp)
         # Every rank enters each MoE layer's all-to-all once per step: the replicas step together.
         lockstep = Lockstep(dist.new_group(backend="gloo", timeout=dist_timeout())) if dp > 1 else None
-    state = ParallelState(mesh, device, tp_helper, gather_group, ep, lockstep)
+    pipeline = _pipeline(mesh, stage_sizes, model_config, tp, dp) if pp > 1 else None
+    state = ParallelState(mesh, device, tp_helper, gather_group, ep, lockstep, pipeline)
     log.info(
-        "parallel: world %d = dp %d x tp %d%s, backend %s, device %s, collective timeout %.0f s",
-        world, dp, tp, f", experts over all {world} ranks ({ep.num_local_experts} each)" if ep else "",
+        "parallel: world %d = dp %d x pp %d x tp %d%s, backend %s, device %s, collective timeout %.0f s",
+        world, dp, pp, tp, f", experts over all {world} ranks ({ep.num_local_experts} each)" if ep else "",
         dist.get_backend(), device.type, dist_timeout().total_seconds(),
     )
+    if pipeline is not None:
+        log.info("pipeline: layers per stage %s", ",".join(map(str, stage_sizes)))
     return state
+
+
+def _pipeline(mesh: DeviceMesh, stage_sizes: list[int], model_config, tp: int, dp: int):
+    from toolkit.parallel.pipeline import PipelineParallel, StageSplit
+
+    pp = len(stage_sizes)
+    stage = StageSplit.of(mesh.get_local_rank("pp"), stage_sizes, bool(model_config.tie_word_embeddings))
+    replicas = [list(range(d * pp * tp, (d + 1) * pp * tp)) for d in range(dp)]
+    return PipelineParallel(mesh, stage, replicas, dist_timeout(), tp)
 
 
 def local_device(device: str | torch.device | None) -> torch.device:

@@ -12,14 +12,24 @@ The default split is vLLM's (`get_pp_indices`): layers // pp each, the leftover 
 the stages before the last, from the second-to-last backwards (the last stage also runs the norm and
 the lm_head). `pp_layer_partition="4,4,5,3"` overrides it.
 
+`PipelineParallel` is one rank's stage and its links (hidden states by point-to-point, the sampled
+tokens back by broadcast, per-stage busy and idle time); the engine's pipelined step drives it
+(toolkit/engine.py).
+
 Leaf module: torch only; it reads the model's module names, never imports toolkit.
 """
 
 from __future__ import annotations
 
+import pickle
 import re
+import time
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from toolkit.parallel.distributed import ParallelConfigError
@@ -111,3 +121,142 @@ def split_stage(model: nn.Module, stage: StageSplit) -> nn.Module:
         model.model.norm = None
         model.lm_head = None
     return model
+
+
+@dataclass
+class StageStats:
+    """Where one stage's time went: busy (its share of the steps: host work and its layers) or idle
+    (waiting for the previous stage's hidden states or for the last stage's tokens), over all step
+    plans and over decode-only ones (the steady state), and how many plans were in flight at most."""
+
+    plans: int = 0
+    max_in_flight: int = 0
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    decode_busy_s: float = 0.0
+    decode_idle_s: float = 0.0
+    hidden_bytes: int = 0  # sent to the next stage
+
+    def as_dict(self) -> dict:
+        out = dict(vars(self))
+        out["idle_fraction"] = _fraction(self.idle_s, self.busy_s)
+        out["decode_idle_fraction"] = _fraction(self.decode_idle_s, self.decode_busy_s)
+        return out
+
+
+@dataclass
+class _StepKind:
+    decode: bool = False
+    in_flight: int = 0
+
+
+def _fraction(idle: float, busy: float) -> float:
+    return idle / (idle + busy) if idle + busy > 0 else 0.0
+
+
+class PipelineParallel:
+    """This rank's stage and its links, written for inference's varlen steps (torch.distributed.pipelining
+    schedules fixed-shape training micro-batches): the previous stage's hidden states arrive by a
+    blocking receive, this stage's go on by an asynchronous send (kept alive until it completes), both
+    over the mesh's pp group (same TP index, so TP shards meet their own), and each plan's sampled
+    tokens go from the last stage's TP rank 0 to every rank of the replica by an asynchronous
+    broadcast that the others receive when they retire that plan. Every rank calls these in the
+    same plan order, so the collectives match without any further handshake."""
+
+    def __init__(self, mesh, stage: StageSplit, replicas: list[list[int]], timeout, tp_size: int):
+        self.stage = stage
+        self.group = mesh["pp"].get_group()
+        self.replica_group = None
+        rank = dist.get_rank()
+        for ranks in replicas:  # every rank builds every replica's group, in the same order
+            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if rank in ranks:
+                self.replica_group, self.replica_ranks = group, ranks
+        self.rank, self.tp_size = rank, tp_size
+        self.result_src = self.replica_ranks[(stage.size - 1) * tp_size]  # the last stage's TP rank 0
+        self.is_result_src = rank == self.result_src
+        self._sends: deque = deque()  # (work, tensor): a tensor must outlive its send
+        self._posted: deque = deque()  # on the result source: (works, tensors, result) per plan
+        self.stats = StageStats()
+        self._idle = 0.0
+
+    def recv_hidden(self, shape: tuple[int, ...], dtype, device) -> torch.Tensor:
+        hidden = torch.empty(shape, dtype=dtype, device=device)
+        with self._waiting(f"stage {self.stage.index} (rank {self.rank - self.tp_size})'s hidden states"):
+            dist.recv(hidden, group=self.group, group_src=self.stage.index - 1)
+        return hidden
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.popleft()
+        # A replayed CUDA graph's output is its static buffer, which the next replay overwrites while
+        # this send may still be reading it; Inductor's CPU outputs are fresh each step.
+        hidden = hidden.clone() if hidden.is_cuda else hidden.contiguous()
+        self._sends.append((dist.isend(hidden, group=self.group, group_dst=self.stage.index + 1), hidden))
+        self.stats.hidden_bytes += hidden.numel() * hidden.element_size()
+
+    def post_result(self, result) -> None:
+        """On the result source: start sending one plan's result (any picklable object) to the replica."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(result)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        works = [dist.broadcast(t, src=self.result_src, group=self.replica_group, async_op=True)
+                 for t in (size, payload)]
+        self._posted.append((works, (size, payload), result))
+
+    def take_result(self):
+        """The oldest plan's result, on every rank of the replica (waiting for it if need be)."""
+        with self._waiting(f"the last stage (rank {self.result_src})'s tokens"):
+            if self.is_result_src:
+                works, _, result = self._posted.popleft()
+                for work in works:
+                    work.wait()
+                return result
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(size, src=self.result_src, group=self.replica_group)
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.broadcast(payload, src=self.result_src, group=self.replica_group)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of the replica's values (KV blocks: every stage schedules the same requests)."""
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.replica_group)
+        return int(t.item())
+
+    def all_stats(self) -> list[dict]:
+        """Every rank of the replica's StageStats (a collective over the replica: call on all its ranks)."""
+        mine = {"stage": self.stage.index, "layers": [self.stage.layers.start, self.stage.layers.stop],
+                **self.stats.as_dict()}
+        out = [None] * len(self.replica_ranks)
+        dist.all_gather_object(out, mine, group=self.replica_group)
+        return out
+
+    @contextmanager
+    def timed_step(self):
+        """Account one engine step of this rank: its wall time, less what it spent waiting, is busy.
+        The step says what it was: `.decode` (its plan is decode-only), `.in_flight` (plans after it)."""
+        step = _StepKind()
+        start, idle_before = time.perf_counter(), self._idle
+        try:
+            yield step
+        finally:
+            total, idle = time.perf_counter() - start, self._idle - idle_before
+            s = self.stats
+            s.busy_s += total - idle
+            s.idle_s += idle
+            if step.decode:
+                s.decode_busy_s += total - idle
+                s.decode_idle_s += idle
+            s.max_in_flight = max(s.max_in_flight, step.in_flight)
+
+    @contextmanager
+    def _waiting(self, what: str):
+        """Time a wait as idle; a peer that died or went silent fails it with both ranks named."""
+        start = time.perf_counter()
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as exc:
+            raise RuntimeError(f"pipeline stage {self.stage.index + 1} of {self.stage.size} (rank {self.rank}) "
+                               f"stopped waiting for {what}: {exc}") from exc
+        finally:
+            self._idle += time.perf_counter() - start

@@ -120,6 +120,7 @@ class Scheduler:
         # parallelism). Such a request is neither scheduled again nor preempted until it has.
         self._in_step: set[str] = set()
         self._arrivals = itertools.count()
+        self.num_preemptions = 0  # since start
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -322,6 +323,7 @@ class Scheduler:
             table = self.kv_cache.block_table(victim.request_id)
             self.connector.swap_out(victim, table[:self.kv_cache.num_blocks_for(victim.num_computed_tokens)])
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         out.preempted.append(victim.request_id)
         return self._requeue(victim, out)
 

@@ -92,6 +92,11 @@ class EngineConfig:
     # vLLM's meaning; tp * dp processes started by torchrun (see parallel/). 1 x 1: one process.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # vLLM's: the layers cut into this many stages, one process each (x tp), with up to this many step
+    # plans in flight (parallel/pipeline.py); world = dp x pp x tp.
+    pipeline_parallel_size: int = 1
+    # Layers per stage, e.g. "4,4,5,3"; None: vLLM's even split (leftovers to the stages before the last).
+    pp_layer_partition: str | None = None
     # vLLM's: MoE layers' experts split over all tp x dp ranks (all-to-all dispatch) instead of each
     # expert split tp ways; attention stays tensor/data parallel (parallel/expert_parallel.py).
     enable_expert_parallel: bool = False
@@ -116,7 +121,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": a preempted request's KV goes to the CPU tier
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size",
+                     "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -137,6 +143,7 @@ class EngineConfig:
         from toolkit.speculative.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_pipeline()
         if self.cpu_linear not in envs.CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(envs.CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
 
@@ -154,6 +161,23 @@ class EngineConfig:
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+
+    def _check_pipeline(self) -> None:
+        """What pipeline parallelism does not combine with yet, refused before anything loads."""
+        if self.pp_layer_partition is not None and not isinstance(self.pp_layer_partition, str):
+            raise ValueError(f"pp_layer_partition must be a string such as '4,4,5,3', got {self.pp_layer_partition!r}")
+        if self.pipeline_parallel_size == 1:
+            return
+        # Each of these moves KV or tokens outside the step plan's point-to-point path, which a stage
+        # holding only some layers cannot serve yet.
+        unsupported = [name for name, on in (
+            ("speculative_config", self.speculative_config is not None),
+            ("kv_offloading_size", self.kv_offloading_size is not None),
+            ("kv_disk_cache_dir", self.kv_disk_cache_dir is not None),
+            ("enable_expert_parallel", self.enable_expert_parallel)) if on]
+        if unsupported:
+            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} does not combine with "
+                             f"{', '.join(unsupported)} yet: drop it, or run without pipeline parallelism")
 
     def _check_kv_hierarchy(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_cache_size"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -68,15 +69,31 @@ class _Group:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled by the first sequence's prefill
 
 
+@dataclass
+class _StepResult:
+    """What a step's forward and sampling hand the scheduler (picklable: a pipeline's last stage sends
+    it to every rank): each sampling request's tokens and their logprob entries, and the entries of
+    the prompt positions that wanted logits, in scheduled order."""
+
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list]
+    prompt_logprobs: list = field(default_factory=list)
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         check_device(config)
         self.model_config: ModelConfig = _load_model_config(config)
         mc = self.model_config
-        # Joins the process group when tp * dp > 1; checks the sizes against the world and the heads first.
+        # Joins the process group when tp * dp * pp > 1; checks the sizes against the world, the heads and
+        # the layers first.
         self.parallel = setup_parallel(config.tensor_parallel_size, config.data_parallel_size, config.device, mc,
-                                       expert_parallel=config.enable_expert_parallel)
+                                       expert_parallel=config.enable_expert_parallel,
+                                       pp=config.pipeline_parallel_size, pp_layer_partition=config.pp_layer_partition)
         self.tp = self.parallel.tp if self.parallel is not None else None
+        # Pipeline parallelism: this rank's stage; up to pp step plans in flight (_step_pipelined).
+        self.pp = self.parallel.pp if self.parallel is not None else None
+        self._in_flight: deque[SchedulerOutput] = deque()
         # Expert parallelism (MoE): this rank's experts; with dp > 1 the replicas step in lockstep (step()).
         self.ep = self.parallel.ep if self.parallel is not None else None
         self._lockstep = self.parallel.lockstep if self.parallel is not None else None
@@ -95,7 +112,7 @@ class Engine:
         if self.tokenizer is None and config.tokenizer is not None and not config.skip_tokenizer_init:
             raise FileNotFoundError(f"tokenizer={config.tokenizer!r} has none of {', '.join(TOKENIZER_FILES)}")
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
-        self.runner = ModelRunner(config, mc, self.backend, self.tp, ep=self.ep)
+        self.runner = ModelRunner(config, mc, self.backend, self.tp, ep=self.ep, pp=self.pp)
         kv = self.runner.kv_spec
         self.sampler = Sampler(config.seed)
         spec = config.speculative_config
@@ -120,6 +137,7 @@ class Engine:
                 num_lookahead_tokens=self.speculator.num_lookahead_tokens if self.speculator else 0,
                 enable_prefix_caching=config.enable_prefix_caching,
                 preemption_mode=preemption,
+                max_plans_in_flight=config.pipeline_parallel_size,
             ),
             self.kv_tiers.connector if self.kv_tiers else None,
         )
@@ -131,18 +149,33 @@ class Engine:
         """What this engine built and where it stands: the runner's load and compile times, KV cache,
         backend choices, and the scheduler's queues (what benchmarks and progress displays read)."""
         stats = {**self.runner.stats(), "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-                 "free_blocks": self.scheduler.num_free_blocks}
+                 "free_blocks": self.scheduler.num_free_blocks, "preemptions": self.scheduler.num_preemptions}
         stats["prefix_cache"] = vars(self.scheduler.prefix_cache_stats).copy()
         if self.kv_tiers is not None:
             stats["kv_tiers"] = self.kv_tiers.stats()
         if self.ep is not None:
             stats["expert_parallel"] = self._ep_stats()
+        if self.pp is not None:
+            stats["pipeline"] = {"stage": self.pp.stage.index, "layers": [self.pp.stage.layers.start,
+                                                                          self.pp.stage.layers.stop],
+                                 **self.pp.stats.as_dict()}
         if self.speculator is not None:
             stats["spec_decode"] = self.speculator.stats.as_dict()
             draft = stats["draft_runner"] = self.speculator.runner_stats()
             if draft is not None:  # compile_s: every graph this engine compiled, the draft's included
                 stats["compile_s"] += draft["compile_s"] + draft["greedy_loop_compile_s"]
         return stats
+
+    def pipeline_stats(self) -> list[dict] | None:
+        """Pipeline parallelism: each stage of this replica's busy and idle time so far, and its idle
+        fraction over all steps and over decode-only ones (parallel.pipeline.StageStats), stage order;
+        None without pipeline parallelism. A collective: every rank of the replica must call it."""
+        if self.pp is None:
+            return None
+        by_stage = {}
+        for entry in self.pp.all_stats():
+            by_stage.setdefault(entry["stage"], entry)  # a stage's TP ranks wait alike: its first speaks
+        return [by_stage[i] for i in sorted(by_stage)]
 
     def get_metrics(self) -> list:
         """vLLM's metric reader objects (toolkit/metrics.py), named toolkit:*."""
@@ -159,6 +192,11 @@ class Engine:
         if self.speculator is not None:
             metrics += self.speculator.stats.metrics()
         metrics += self._moe_metrics(Counter)
+        if self.pp is not None:
+            stage, stats = {"stage": str(self.pp.stage.index)}, self.pp.stats
+            metrics += [Counter("toolkit:pp_stage_busy_seconds", stage, stats.busy_s),
+                        Counter("toolkit:pp_stage_idle_seconds", stage, stats.idle_s),
+                        Counter("toolkit:pp_plans", stage, stats.plans)]
         if self.ep is not None:
             ep = self.ep.stats
             metrics += [Counter("toolkit:ep_all_to_all_bytes", {"direction": "dispatch"}, ep.dispatch_bytes),
@@ -301,6 +339,8 @@ class Engine:
         Replicas in lockstep (expert parallelism with dp > 1; see has_unfinished): a replica whose step
         ran no forward (nothing of its own scheduled) runs a one-token dummy forward instead, so every
         rank enters each MoE layer's all-to-all once per step (vLLM's dummy batch)."""
+        if self.pp is not None:
+            return self._step_pipelined()
         if self._lockstep is None:
             return self._step()
         forwards = self.runner.num_forwards
@@ -319,31 +359,93 @@ class Engine:
         if not plan.scheduled and requeued:
             return finished  # every scheduled request lost a load: they recompute from the next step
         if not plan.scheduled:
-            if self.scheduler.has_unfinished() and not plan.rejected:
-                raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
+            self._check_progress(plan)
             return finished
-        now = time.monotonic()
-        for r in plan.scheduled:
-            metrics = self._groups[self._tracked[r.request_id].parent_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        self._mark_scheduled(plan)
         if self.speculator is not None:
             self.speculator.forget(plan.preempted)
         try:
-            sampled, logprobs = self._run_model(plan)
+            result = self._run_model(plan)
         except Exception as exc:  # noqa: BLE001  one bad step must not poison the engine
             if not self._can_isolate(exc):
                 raise
             return finished + self._fail_step(plan, exc)
-        before = {rid: self._tracked[rid].request.num_output_tokens for rid in sampled}
-        done = self.scheduler.update(plan, sampled)
-        done += self._append_outputs(sampled, logprobs, before)
-        for req in done:
-            finished += self._finish_child(req)
+        finished += self._retire(plan, result)
         if self.speculator is not None:
             finished += self._propose()
         if self.kv_tiers is not None and not self.scheduler.has_unfinished():
             # Idle now: the blocks the last update named go to the tiers before anything can reuse them.
             self.kv_tiers.transfer(self.scheduler.pending_transfers())
+        return finished
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """One turn of a pipeline stage (parallel/pipeline.py): while fewer than pp plans are in flight,
+        schedule one more (over requests none of them holds) and run this stage's layers for it;
+        otherwise retire the oldest plan with the tokens the last stage sends back. Every rank of the
+        replica takes the same turns in the same order, so their schedulers stay in lockstep."""
+        finished: list[RequestOutput] = []
+        with self.pp.timed_step() as turn:
+            plan = None
+            if len(self._in_flight) < self.config.pipeline_parallel_size:
+                plan = self.scheduler.schedule()
+                for req in plan.rejected:
+                    finished += self._finish_child(req)
+                if plan.scheduled:
+                    self._mark_scheduled(plan)
+                    self._in_flight.append(plan)
+                    turn.decode, turn.in_flight = _decode_only(plan), len(self._in_flight)
+                    self.pp.stats.plans += 1
+                    self._run_stage(plan)
+                    return finished
+            if not self._in_flight:
+                self._check_progress(plan)
+                return finished
+            oldest = self._in_flight.popleft()
+            turn.decode = _decode_only(oldest)
+            return finished + self._retire(oldest, self.pp.take_result())
+
+    def _run_stage(self, plan: SchedulerOutput) -> None:
+        """This stage's part of a plan: the previous stage's hidden states in (or the embedding), its
+        layers, then the hidden states on to the next stage, or, on the last stage, the sampled tokens
+        out to every rank of the replica."""
+        pp = self.pp
+        inputs = self.runner.prepare(plan.scheduled)
+        hidden = None
+        if not pp.stage.is_first:
+            hidden = pp.recv_hidden((inputs.input_ids.shape[0], self.model_config.hidden_size), self.dtype,
+                                    self.device)
+        out = self.runner.execute(inputs, hidden)
+        if not pp.stage.is_last:
+            pp.send_hidden(out)
+            return
+        result = self._sample(plan, inputs, out)
+        if pp.is_result_src:
+            pp.post_result(result)
+
+    def _check_progress(self, plan: SchedulerOutput | None) -> None:
+        if self.scheduler.has_unfinished() and not (plan is not None and plan.rejected):
+            raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
+
+    def _mark_scheduled(self, plan: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for r in plan.scheduled:
+            metrics = self._groups[self._tracked[r.request_id].parent_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+
+    def _retire(self, plan: SchedulerOutput, result: _StepResult) -> list[RequestOutput]:
+        """Hand a computed plan's tokens to the scheduler, then logprobs and text; returns the user
+        requests that finished."""
+        self._store_prompt_logprobs(plan, result.prompt_logprobs)
+        sampled, now = result.sampled, time.monotonic()
+        for rid in sampled:
+            metrics = self._groups[self._tracked[rid].parent_id].metrics
+            metrics.first_token_time = metrics.first_token_time or now
+        before = {rid: self._tracked[rid].request.num_output_tokens for rid in sampled}
+        done = self.scheduler.update(plan, sampled)
+        done += self._append_outputs(sampled, result.logprobs, before)
+        finished = []
+        for req in done:
+            finished += self._finish_child(req)
         return finished
 
     def _propose(self) -> list[RequestOutput]:
@@ -364,10 +466,11 @@ class Engine:
             return finished
 
     def _can_isolate(self, exc: Exception) -> bool:
-        """Whether a failed step can be ended for its requests alone. Not under TP: a rank that failed
+        """Whether a failed step can be ended for its requests alone. Not under TP or PP: a rank that failed
         alone would leave the others' schedulers out of step, so the job ends (as any TP fault does).
         Not for a broken process group either."""
-        return self.tp is None and self.ep is None and not isinstance(exc, torch.distributed.DistError)
+        return (self.tp is None and self.ep is None and self.pp is None
+                and not isinstance(exc, torch.distributed.DistError))
 
     def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """Fail the step's requests alone. The scheduler advances computed tokens and names cached
@@ -402,18 +505,21 @@ class Engine:
             self.speculator.forget(requeued)
         return requeued
 
-    def _run_model(self, plan: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list]]:
-        """The tokens (and their logprob entries) each sampling request gets from this step: one, or
-        after a verify step its accepted drafts and one more."""
+    def _run_model(self, plan: SchedulerOutput) -> _StepResult:
         inputs = self.runner.prepare(plan.scheduled)
-        logits = self.runner.execute(inputs)
+        return self._sample(plan, inputs, self.runner.execute(inputs))
+
+    def _sample(self, plan: SchedulerOutput, inputs, logits: torch.Tensor) -> _StepResult:
+        """The tokens (and their logprob entries) each sampling request gets from this step's logits: one,
+        or after a verify step its accepted drafts and one more; and the prompt rows' logprob entries."""
+        prompt_entries = []
         if inputs.num_prompt_rows:
             num_sampled = logits.shape[0] - inputs.num_prompt_rows
-            self._add_prompt_logprobs(plan, logits[num_sampled:])
+            prompt_entries = self._prompt_logprob_entries(plan, logits[num_sampled:])
             logits = logits[:num_sampled]
         sampling = [r for r in plan.scheduled if r.samples]
         if not sampling:
-            return {}, {}
+            return _StepResult({}, {}, prompt_entries)
         ids = [r.request_id for r in sampling]
         reqs = [self._tracked[i].request for i in ids]
         params = [self._tracked[i].params for i in ids]
@@ -428,11 +534,7 @@ class Engine:
                 # SPMD: every rank's scheduler must append the same tokens, so TP rank 0's choice wins.
                 token_ids = self.tp.broadcast_tokens(token_ids)
             tokens, logprobs = [[t] for t in token_ids], [[lp] for lp in out.logprobs]
-        now = time.monotonic()
-        for rid in ids:
-            metrics = self._groups[self._tracked[rid].parent_id].metrics
-            metrics.first_token_time = metrics.first_token_time or now
-        return dict(zip(ids, tokens)), dict(zip(ids, logprobs))
+        return _StepResult(dict(zip(ids, tokens)), dict(zip(ids, logprobs)), prompt_entries)
 
     def _append_outputs(self, sampled: dict[str, list[int]], logprobs: dict[str, list],
                         before: dict[str, int]) -> list[Request]:
@@ -466,19 +568,25 @@ class Engine:
             req.stop_reason = stop
         return stopped
 
-    def _add_prompt_logprobs(self, plan: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Prompt logprobs from this step's prompt rows (in scheduled order): the logits at position p
-        give prompt token p + 1's entry. A recompute after preemption writes the same entries again."""
-        chunks = [r for r in plan.scheduled if r.num_prompt_logits]
+    def _prompt_logprob_entries(self, plan: SchedulerOutput, logits: torch.Tensor) -> list:
+        """Prompt logprob entries from this step's prompt rows (in scheduled order): the logits at
+        position p give prompt token p + 1's entry."""
         targets, ks = [], []
-        for r in chunks:
-            tracked = self._tracked[r.request_id]
-            first = r.start_position + 1
-            targets += tracked.request.prompt_token_ids[first: first + r.num_prompt_logits]
-            ks += [tracked.params.prompt_logprobs] * r.num_prompt_logits
-        entries = logprob_entries(logits, torch.tensor(targets, device=logits.device), ks)
+        for r in plan.scheduled:
+            if r.num_prompt_logits:
+                tracked = self._tracked[r.request_id]
+                first = r.start_position + 1
+                targets += tracked.request.prompt_token_ids[first: first + r.num_prompt_logits]
+                ks += [tracked.params.prompt_logprobs] * r.num_prompt_logits
+        return logprob_entries(logits, torch.tensor(targets, device=logits.device), ks)
+
+    def _store_prompt_logprobs(self, plan: SchedulerOutput, entries: list) -> None:
+        """Put a step's prompt logprob entries in their groups. A recompute after preemption writes the
+        same entries again."""
         at = 0
-        for r in chunks:
+        for r in plan.scheduled:
+            if not r.num_prompt_logits:
+                continue
             tracked, first, n = self._tracked[r.request_id], r.start_position + 1, r.num_prompt_logits
             self._groups[tracked.parent_id].prompt_logprobs[first: first + n] = map(self._with_text, entries[at: at + n])
             at += n
@@ -551,6 +659,10 @@ class Engine:
                 prompt_logprobs=group.prompt_logprobs,
             )
         ]
+
+
+def _decode_only(plan: SchedulerOutput) -> bool:
+    return all(len(r.token_ids) == 1 and r.samples for r in plan.scheduled)
 
 
 def _load_model_config(config: EngineConfig) -> ModelConfig:

@@ -112,3 +112,12 @@ def mark_dynamic_sizes(inputs: StepInputs, tokens_backed: bool, rows_are_tokens:
     for t in (*per_row, *per_token, inputs.logits_indices):
         mark_unbacked(t, 0)
     mark_unbacked(meta.block_tables, 1)
+
+
+def mark_dynamic_hidden(hidden: torch.Tensor, tokens_backed: bool) -> None:
+    """A pipeline stage's incoming hidden states [T, H]: T is a token count, dynamic like the packed
+    tokens' (unbacked unless the step keeps its token count backed)."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    if not tokens_backed:
+        mark_unbacked(hidden, 0)

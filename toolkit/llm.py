@@ -58,7 +58,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
-        Under tensor/data parallelism every rank calls this with the same prompts; global rank 0
+        Under tensor/data/pipeline parallelism every rank calls this with the same prompts; global rank 0
         returns all the outputs and every other rank returns [].
 
         Every prompt is tokenized and validated before any work starts, so a bad prompt raises a
@@ -100,7 +100,15 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
+        self._log_pipeline_idle()
         return gather_outputs(state, mine, [results[rid] for rid in ids], len(prompts))
+
+    def _log_pipeline_idle(self) -> None:
+        """Pipeline parallelism: how much of its time each stage has spent waiting (since the engine started)."""
+        stages = self.engine.pipeline_stats()  # a collective over the replica: every rank calls generate
+        if stages:
+            log.info("pipeline idle per stage (all steps / decode-only steps): %s", ", ".join(
+                f"{100 * st['idle_fraction']:.0f}%/{100 * st['decode_idle_fraction']:.0f}%" for st in stages))
 
     def chat(
         self,

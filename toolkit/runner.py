@@ -52,24 +52,27 @@ class KVCacheSpec:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, backend, tp=None, num_blocks: int | None = None,
-                 ep=None):
+                 ep=None, pp=None):
         """`config` is resolved (EngineConfig.resolve); `tp` is this rank's parallel.TensorParallel;
         `num_blocks` fixes the KV cache's block count (a draft model's: the target's) instead of sizing it;
-        `ep` is this rank's parallel.ExpertParallel (MoE models with enable_expert_parallel)."""
+        `ep` is this rank's parallel.ExpertParallel (MoE models with enable_expert_parallel); `pp` is this
+        rank's parallel.pipeline.PipelineParallel: the runner holds its stage's layers and their KV only."""
         self.config = config
         self.model_config = model_config
         self.backend = backend
-        self.tp = tp
+        self.tp, self.pp = tp, pp
         self.device = torch.device(config.device)
         start = time.perf_counter()
+        stage = pp.stage if pp is not None else None
         self.model = load_model(model_config, config.dtype, self.device, max_positions=config.max_model_len,
-                                load_format=config.load_format, tp=tp, ep=ep)
+                                load_format=config.load_format, tp=tp, ep=ep, stage=stage)
         self.attention_backend = backend.attention_backend()  # after loading: the CPU kernels build meanwhile
         self.num_kv_heads = tp.num_kv_heads_local if tp is not None else model_config.num_kv_heads
+        self.num_layers = len(stage.layers) if stage is not None else model_config.num_layers
         self.kv_spec = self._size_kv_cache() if num_blocks is None else KVCacheSpec(
             num_blocks, config.block_size,
-            kv_cache_bytes_per_token(model_config.num_layers, self.num_kv_heads, model_config.head_dim, config.dtype))
-        self.kv_caches = allocate_kv_cache(model_config.num_layers, self.kv_spec.num_blocks, config.block_size,
+            kv_cache_bytes_per_token(self.num_layers, self.num_kv_heads, model_config.head_dim, config.dtype))
+        self.kv_caches = allocate_kv_cache(self.num_layers, self.kv_spec.num_blocks, config.block_size,
                                            self.num_kv_heads, model_config.head_dim, config.dtype, self.device)
         if not config.enforce_eager:
             for cache in self.kv_caches:
@@ -92,7 +95,7 @@ class ModelRunner:
 
     def _size_kv_cache(self) -> KVCacheSpec:
         c, mc = self.config, self.model_config
-        per_token = kv_cache_bytes_per_token(mc.num_layers, self.num_kv_heads, mc.head_dim, c.dtype)
+        per_token = kv_cache_bytes_per_token(self.num_layers, self.num_kv_heads, mc.head_dim, c.dtype)
         per_block = per_token * c.block_size
         budget_bytes, fraction = c.kv_cache_memory_bytes, c.kv_cache_memory_fraction
         if c.gpu_memory_utilization is not None and self.device.type == "cuda":
@@ -110,7 +113,9 @@ class ModelRunner:
         # More blocks than max_num_seqs full-length requests can use would only waste memory.
         useful = c.max_num_seqs * math.ceil(c.max_model_len / c.block_size)
         num_blocks = min(budget_bytes // per_block, useful)
-        if self.tp is not None:
+        if self.pp is not None:
+            num_blocks = self.pp.agree_min(num_blocks)  # one schedule for the replica's stages and TP ranks
+        elif self.tp is not None:
             num_blocks = self.tp.agree_min(num_blocks)  # one schedule for the TP group: one cache size
         if num_blocks < 1:
             raise ValueError(
@@ -130,15 +135,18 @@ class ModelRunner:
         return inputs
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
+    def execute(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [S + P, V]: the requests that sample this step, in scheduled order, then the
-        prompt positions that want logits (StepInputs.num_prompt_rows)."""
+        prompt positions that want logits (StepInputs.num_prompt_rows). A pipeline stage after the first
+        continues from the previous stage's `hidden` [T_padded, H]; one before the last returns its own."""
         self.num_forwards += 1
         if self.config.enforce_eager:
-            return self.step(inputs)
+            return self.step(inputs, hidden)
+        if hidden is not None:
+            step_inputs.mark_dynamic_hidden(hidden, self._tokens_backed or self._rows_are_tokens)
         before = num_compiled_graphs()
         start = time.perf_counter()
-        logits = self.step(inputs)
+        logits = self.step(inputs, hidden)
         if num_compiled_graphs() > before:
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds

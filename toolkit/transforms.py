@@ -14,7 +14,9 @@ applied from outside, as torchtitan's `parallelize_llama` does:
 4. Compile: the whole step (embedding to logits) as one torch.compile'd graph, unless enforce_eager.
 5. The device backend's replay of decode steps: CUDA graphs on CUDA.
 
-The result is a `Step`: StepInputs (toolkit/inputs.py) in, float32 logits of the sampled rows out.
+The result is a `Step`: StepInputs (toolkit/inputs.py) in, float32 logits of the sampled rows out
+(a pipeline stage, parallel/pipeline.py: the previous stage's hidden states in too, and before the
+last stage hidden states out; the stage was cut at loading, so no change here knows of it).
 """
 
 from __future__ import annotations
@@ -37,17 +39,20 @@ class Step:
     """A model call over this engine's KV caches: the eager model or its compiled step."""
 
     def __init__(self, forward, kv_caches: list[torch.Tensor], compiled: bool):
-        self.forward = forward  # (input_ids, positions, kv_caches, meta, logits_indices) -> logits
+        # (input_ids, positions, kv_caches, meta, logits_indices, hidden) -> logits, or a pipeline stage
+        # before the last: hidden states
+        self.forward = forward
         self.kv_caches = kv_caches
         # The model's float constants (eps, scale) are constants of the graph: traced as symbolic floats,
         # Dynamo would trace the whole model once more after failing to turn them into tensors.
         self._dynamo_config = torch._dynamo.config.patch(specialize_float=True) if compiled else None
 
-    def __call__(self, inputs) -> torch.Tensor:
+    def __call__(self, inputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices, hidden)
         if self._dynamo_config is None:
-            return self.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+            return self.forward(*args)
         with self._dynamo_config:
-            return self.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+            return self.forward(*args)
 
 
 def apply(model: torch.nn.Module, kv_caches: list[torch.Tensor], config, backend, tp=None,
@@ -82,8 +87,8 @@ def compile_step(model: torch.nn.Module, config, backend):
     """The whole model as one torch.compile'd function, dynamic in every batch size (the runner marks
     them), with a Dynamo cache of its own."""
 
-    def step(input_ids, positions, kv_caches, meta, logits_indices):
-        return model(input_ids, positions, kv_caches, meta, logits_indices)
+    def step(input_ids, positions, kv_caches, meta, logits_indices, hidden=None):
+        return model(input_ids, positions, kv_caches, meta, logits_indices, hidden)
 
     # Dynamo keeps compiled code per code object, and every function made from this `def` would share
     # one: a copy of the code gives each engine a cache of its own, freed with the engine, so a process

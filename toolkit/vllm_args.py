@@ -39,9 +39,6 @@ VLLM_ONLY = {
     "kv_cache_dtype": (lambda v: v == "auto", "must be 'auto': the KV cache is kept in the model's dtype "
                                               "(fp8 KV caches are not implemented)"),
     "cpu_offload_gb": (_zero, "must be 0: offloading weights to CPU memory is not implemented"),
-    "pipeline_parallel_size": (lambda v: v == 1 and not isinstance(v, bool),
-                               "must be 1: pipeline parallelism is not implemented "
-                               "(tensor_parallel_size and data_parallel_size are)"),
     "enable_chunked_prefill": (lambda v: v is None or v is True,
                                "long prefills are always chunked by max_num_batched_tokens; to run every prompt "
                                "in one step, set max_num_batched_tokens >= max_model_len"),

@@ -541,6 +541,19 @@ def test_a_tp_size_the_model_cannot_take_fails_before_any_process_starts(ckpt, t
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_a_pipeline_split_the_model_cannot_take_fails_before_any_process_starts(ckpt, tmp_path):
+    prompts = prompts_file(tmp_path, 2)
+    start = time.monotonic()
+    layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    result = generate(ckpt, "-i", prompts, "-o", tmp_path / "out.jsonl", "--pp", layers + 1)
+    assert result.exit_code == 2
+    assert f"--pp {layers + 1}: pipeline_parallel_size {layers + 1} is more than the model's {layers} layers" in result.stderr
+    result = generate(ckpt, "-i", prompts, "-o", tmp_path / "out.jsonl", "--pp", 2, "--pp-layer-partition", "1,5")
+    assert result.exit_code == 2 and f"sums to 6 layers but the model has {layers}" in result.stderr
+    assert time.monotonic() - start < 30  # no torchrun launch, no model load
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_empty_prompts_and_repeated_custom_ids_fail_their_lines(ckpt, tmp_path):
     line = lambda cid, prompt: {"custom_id": cid, "method": "POST", "url": "/v1/completions",  # noqa: E731
                                 "body": {"prompt": prompt, "max_tokens": 2}}

@@ -1,4 +1,4 @@
-"""`toolkit generate --tp 2` / `--dp 2`, launched for real (the CLI relaunches itself through
+"""`toolkit generate --tp 2` / `--dp 2` / `--pp 2`, launched for real (the CLI relaunches itself through
 torch.distributed.run, gloo on CPU), against the single-process CLI run on the same input.
 
 Oracle: the single-process records, compared by id, line, text and token count (records stream in
@@ -57,7 +57,7 @@ def case(tmp_path_factory):
     return ckpt, prompts, expected
 
 
-@pytest.mark.parametrize("flag", ["--tp", "--dp"])
+@pytest.mark.parametrize("flag", ["--tp", "--dp", "--pp"])
 def test_two_processes_match_single_process(case, tmp_path, flag):
     ckpt, prompts, expected = case
     out = tmp_path / "out.jsonl"
@@ -66,6 +66,8 @@ def test_two_processes_match_single_process(case, tmp_path, flag):
     assert by_line(out) == expected
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"], "shard files left behind"
     assert proc.stderr.count("done:") == 1, "only rank 0 prints the summary"
+    if flag == "--pp":  # each stage's idle share is reported
+        assert "pipeline idle: stage 1 (layers 0-0)" in proc.stderr and "stage 2 (layers 1-1)" in proc.stderr
 
 
 def test_dp_resumes_from_an_interrupted_runs_shard(case, tmp_path):

@@ -38,7 +38,8 @@ def main() -> None:
         llm = LLM(
             path, dtype="float32", enforce_eager=args.compile is None, compile_backend=args.compile or "inductor",
             max_model_len=128, block_size=16, skip_tokenizer_init=True,
-            tensor_parallel_size=args.tp, data_parallel_size=args.dp, speculative_config=spec,
+            tensor_parallel_size=args.tp, data_parallel_size=args.dp, pipeline_parallel_size=args.pp,
+            speculative_config=spec,
             **json.loads(args.engine_args),
         )
         if rank == args.fail_rank:
@@ -51,6 +52,10 @@ def main() -> None:
             "tokens": [o.outputs[0].token_ids for o in outs],
             "param_bytes": resident_param_bytes(runner.model),
             "kv_shape": list(runner.kv_caches[0].shape),
+            "kv_layers": len(runner.kv_caches),
+            "param_names": sorted(name for name, _ in runner.model.named_parameters()),
+            "pipeline": llm.engine.stats().get("pipeline"),
+            "preemptions": llm.engine.stats()["preemptions"],
             "compiled_graphs": llm.engine.stats()["graphs"],
             "spec_decode": llm.engine.stats().get("spec_decode"),
             "kv_tiers": llm.engine.stats().get("kv_tiers"),
@@ -75,6 +80,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--speculative-config", action="append", default=[], metavar="JSON",
                    help="for the n-th --model, in order (models without one decode plainly)")

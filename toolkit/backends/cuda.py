@@ -48,11 +48,12 @@ class GraphedStep:
         self.step, self.graphs = step, graphs
         self.forward = step.forward
 
-    def __call__(self, inputs):
+    def __call__(self, inputs, hidden=None):
         if inputs.decode_only and self.graphs.bucket_for(inputs.num_tokens):
             n = inputs.num_tokens
-            return self.graphs.run(inputs.input_ids[:n], inputs.positions[:n], inputs.meta, inputs.logits_indices)
-        return self.step(inputs)
+            return self.graphs.run(inputs.input_ids[:n], inputs.positions[:n], inputs.meta, inputs.logits_indices,
+                                   None if hidden is None else hidden[:n])
+        return self.step(inputs, hidden)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -74,19 +75,23 @@ class DecodeGraphs:
     def bucket_for(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def run(self, input_ids, positions, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
-        """Logits for a decode-only batch (one token per request, every request samples)."""
+    def run(self, input_ids, positions, meta: AttentionMetadata, logits_indices, hidden=None) -> torch.Tensor:
+        """Logits for a decode-only batch (one token per request, every request samples); a pipeline
+        stage after the first is given the previous stage's `hidden`, one before the last returns its
+        own. The result is a view of the graph's static output, which the next replay overwrites."""
         batch = input_ids.shape[0]
         bucket = self.bucket_for(batch)
         if bucket not in self.graphs:
-            self._capture(bucket)
+            self._capture(bucket, hidden)
         graph, static, out = self.graphs[bucket]
-        self._fill(static, input_ids, positions, meta)
+        self._fill(static, input_ids, positions, meta, hidden)
         graph.replay()
         return out[:batch]
 
-    def _fill(self, static: dict, input_ids, positions, meta: AttentionMetadata) -> None:
+    def _fill(self, static: dict, input_ids, positions, meta: AttentionMetadata, hidden) -> None:
         b = input_ids.shape[0]
+        if hidden is not None:
+            static["hidden"][:b].copy_(hidden)
         static["input_ids"][:b].copy_(input_ids)
         static["positions"][:b].copy_(positions)
         static["slot_mapping"].fill_(-1)
@@ -97,7 +102,7 @@ class DecodeGraphs:
         static["block_tables"].zero_()
         static["block_tables"][:b, : meta.block_tables.shape[1]].copy_(meta.block_tables[:b])
 
-    def _capture(self, bucket: int) -> None:
+    def _capture(self, bucket: int, hidden_like) -> None:
         start = time.perf_counter()
         i32, i64 = torch.int32, torch.int64
         static = {
@@ -110,10 +115,13 @@ class DecodeGraphs:
         }
         meta = AttentionMetadata(static["query_start_loc"], static["seq_lens"], static["block_tables"],
                                  static["slot_mapping"], backend=self.backend)
+        if hidden_like is not None:  # a pipeline stage after the first
+            static["hidden"] = torch.zeros(bucket, *hidden_like.shape[1:], dtype=hidden_like.dtype, device=self.device)
         indices = torch.arange(bucket, device=self.device)
 
         def call():
-            return self.forward(static["input_ids"], static["positions"], self.kv_caches, meta, indices)
+            return self.forward(static["input_ids"], static["positions"], self.kv_caches, meta, indices,
+                                static.get("hidden"))
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

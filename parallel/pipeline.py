@@ -133,6 +133,7 @@ class StageStats:
     max_in_flight: int = 0
     busy_s: float = 0.0
     idle_s: float = 0.0
+    compute_s: float = 0.0  # of busy_s: inside the stage's forward (the rest is host work: schedule, inputs, update)
     decode_busy_s: float = 0.0
     decode_idle_s: float = 0.0
     hidden_bytes: int = 0  # sent to the next stage

@@ -414,7 +414,9 @@ class Engine:
         if not pp.stage.is_first:
             hidden = pp.recv_hidden((inputs.input_ids.shape[0], self.model_config.hidden_size), self.dtype,
                                     self.device)
+        start = time.perf_counter()
         out = self.runner.execute(inputs, hidden)
+        pp.stats.compute_s += time.perf_counter() - start
         if not pp.stage.is_last:
             pp.send_hidden(out)
             return

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from contextlib import contextmanager
 from collections.abc import Callable
 from pathlib import Path
@@ -239,11 +240,13 @@ def load_model(
 
 
 def fill_random(model: nn.Module, dtype: torch.dtype, device: torch.device, std: float, seed: int = 0) -> None:
-    # Drawn on the target device: an 8B model's worth of host randn would dominate start-up.
-    generator = torch.Generator(device=device).manual_seed(seed)
+    # Drawn on the target device: an 8B model's worth of host randn would dominate start-up. Each tensor
+    # is seeded by its name, so a pipeline stage draws the same weights the whole model would.
+    generator = torch.Generator(device=device)
     for name, param in list(model.named_parameters()):
         if name.endswith("norm.weight"):
             value = torch.ones(param.shape, device=device)
         else:
+            generator.manual_seed(seed + zlib.crc32(name.encode()))
             value = torch.randn(param.shape, generator=generator, device=device) * std
         set_module_tensor_to_device(model, name, device, value=value, dtype=dtype)

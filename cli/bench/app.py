@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from toolkit.cli.bench.metrics import (combine_throughput, decode_metrics, expert_delta, kv_delta, latency_metrics,
                                        spec_delta)
 from toolkit.cli.bench.model import SHAPES, resolve_model
+from toolkit.cli.bench.pipeline import PipelineSystem, bubble_model, report_lines
 from toolkit.cli.bench.report import build_rows, render_table, report_json
 from toolkit.cli.bench.roofline import (
     bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
@@ -218,6 +219,8 @@ def _run(command: str, o: dict) -> None:
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     variants = _variants(o["variant"])
+    if command != "throughput" and any(_pipelined(v) for v in variants):
+        _fail("a --variant with pipeline_parallel_size runs in `toolkit bench throughput` only")
     if o["workload"] not in WORKLOADS:
         _fail(f"unknown --workload {o['workload']}; choose from {', '.join(WORKLOADS)}")
     spec = None
@@ -303,6 +306,23 @@ def _run(command: str, o: dict) -> None:
             runs = [(m, v, None) for m in ours_modes for v in ([None, spec] if spec else [None])]
             runs += [(m, None, args) for m in ours_modes for args in variants]
             for mode, variant, engine_args in runs:
+                if _pipelined(engine_args):
+                    label = f"toolkit ({mode}" + "".join(f", {k}={v}" for k, v in engine_args.items()) + ")"
+                    system = PipelineSystem(label, model_path, dict(
+                        load_format=load_format, dtype=dtype_name, eager=mode == "eager", max_model_len=max_model_len,
+                        kv_cache_memory_bytes=kv_bytes, max_num_seqs=o["max_num_seqs"],
+                        max_num_batched_tokens=o["max_num_batched_tokens"]), engine_args, _threads_per_rank(o, engine_args))
+                    raw = system.throughput(requests, warm, phase)
+                    res = results[label] = {"kind": "ours", "startup": raw["startup"], "throughput": raw["throughput"]}
+                    res["pipeline"] = {"stages": raw["stages"], "threads_per_rank": system.spec["threads"],
+                                       "bubble_model": bubble_model(raw["stages"], mc.num_layers, _tokens_fed(requests),
+                                                                    raw["throughput"]["output_tokens"])}
+                    plain_label, plain_tokens = plain_runs[mode]
+                    res["tokens_identical_to_plain"] = raw["tokens"] == plain_tokens.get("throughput")
+                    pairs.append((label, plain_label))
+                    _say(bar, label, res, partial, results)
+                    ours_labels.append(label)
+                    continue
                 system = OursSystem(model_path, load_format=load_format, dtype=dtype_name, eager=mode == "eager",
                                     max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes,
                                     max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
@@ -436,6 +456,10 @@ def _run(command: str, o: dict) -> None:
     if not out.is_terminal:
         out = Console(width=240)  # a file or a pipe: keep the table's rows on one line each
     out.print(render_table(rows, title, caption))
+    for label, res in results.items():
+        if "pipeline" in res:
+            for line in report_lines(label, res["pipeline"], res["throughput"]["output_tokens_per_s"]):
+                out.print(line, markup=False, highlight=False)
     if profile_result is not None:
         Path(o["profile"]).write_text(profile_result["table"])
         out.print(f"profile of {profile_result['system']} (top 10 by self CPU time; full table in {o['profile']}):")
@@ -497,6 +521,23 @@ def _variants(texts: list[str] | None) -> list[dict]:
             _fail(f"--variant: unknown EngineConfig field(s) {', '.join(unknown)}")
         out.append(args)
     return out
+
+
+def _pipelined(engine_args: dict | None) -> bool:
+    return bool(engine_args) and int(engine_args.get("pipeline_parallel_size", 1)) > 1
+
+
+def _threads_per_rank(o: dict, engine_args: dict) -> int:
+    """--threads, or the threads of a single-process run shared among the pipeline's processes."""
+    import torch
+
+    world = int(engine_args["pipeline_parallel_size"]) * int(engine_args.get("tensor_parallel_size", 1))
+    return o["threads"] or max(1, torch.get_num_threads() // world)
+
+
+def _tokens_fed(requests: list[BenchRequest]) -> int:
+    """Tokens the model computes for the workload: each prompt, and every output token but the last."""
+    return sum(r.prompt_len + r.output_len - 1 for r in requests)
 
 
 def _vllm_spec(spec) -> dict | None:

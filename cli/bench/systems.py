@@ -384,40 +384,8 @@ class VLLMSystem:
         spec = dict(self.config, mode=mode, concurrency=concurrency, warm=pack(warm),
                     requests=[pack(r) for r in requests], decode=pack(decode) if decode else None,
                     wait_for_probes=probe is not None)
-        with tempfile.TemporaryDirectory(prefix="toolkit-bench-vllm-") as tmp:
-            spec_path, log_path = Path(tmp) / "spec.json", Path(tmp) / "vllm.log"
-            spec_path.write_text(json.dumps(spec))
-            result, advance, probes = None, no_progress("", 0), []
-            with open(log_path, "w") as log:
-                proc = subprocess.Popen([str(self.python), str(WORKER), str(spec_path)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=log, text=True, env=vllm_env(), cwd=tmp)
-                try:
-                    for line in proc.stdout:
-                        try:
-                            event = json.loads(line)
-                        except json.JSONDecodeError:
-                            continue  # something in the other environment printed to stdout
-                        if not isinstance(event, dict):
-                            continue
-                        if event.get("event") == "phase":
-                            advance = phase(f"{self.label}: {event['name']}", event["total"])
-                        elif event.get("event") == "advance":
-                            advance(event.get("n", 1))
-                        elif event.get("event") == "probe" and probe is not None:
-                            probes.append(probe())
-                            proc.stdin.write("\n")  # go on
-                            proc.stdin.flush()
-                        elif event.get("event") == "result":
-                            result = event["result"]
-                    proc.wait(timeout=timeout_s)
-                finally:
-                    if proc.poll() is None:
-                        proc.kill()
-                        proc.wait()
-                    proc.stdin.close()
-            if proc.returncode != 0 or result is None:
-                tail = log_path.read_text()[-3000:]
-                raise BenchError(f"vLLM worker exited with status {proc.returncode}; its log ends:\n{tail}")
+        result, probes = run_worker([str(self.python), str(WORKER)], spec, vllm_env(), phase, self.label,
+                                    "toolkit-bench-vllm-", probe, timeout_s)
         if "latency" in result:
             result["latency"]["timings"] = [RequestTiming.from_json(t) for t in result["latency"]["timings"]]
         if result.get("decode"):
@@ -425,6 +393,49 @@ class VLLMSystem:
             if len(probes) == 2:
                 result["decode_bandwidth"] = best_of_probes(*probes)
         return result
+
+
+def run_worker(argv: list[str], spec: dict, env: dict, phase: Phase, label: str, prefix: str,
+               probe: Callable[[], dict] | None = None, timeout_s: float | None = None) -> tuple[dict, list]:
+    """Run a worker program (`argv` + the path of `spec` as JSON) in a temporary directory and follow the
+    JSON events it prints, one per line: "phase"/"advance" drive our progress bar, "probe" asks us
+    to take a bandwidth reading while it waits (then it is told to go on), "result" is the outcome.
+    Returns (result, the probes' readings); a worker that fails is a BenchError ending with its log."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        spec_path, log_path = Path(tmp) / "spec.json", Path(tmp) / "worker.log"
+        spec_path.write_text(json.dumps(spec))
+        result, advance, probes = None, no_progress("", 0), []
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([*argv, str(spec_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=log, text=True, env=env, cwd=tmp)
+            try:
+                for line in proc.stdout:
+                    try:
+                        event = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # something in the worker's environment printed to stdout
+                    if not isinstance(event, dict):
+                        continue
+                    if event.get("event") == "phase":
+                        advance = phase(f"{label}: {event['name']}", event["total"])
+                    elif event.get("event") == "advance":
+                        advance(event.get("n", 1))
+                    elif event.get("event") == "probe" and probe is not None:
+                        probes.append(probe())
+                        proc.stdin.write("\n")  # go on
+                        proc.stdin.flush()
+                    elif event.get("event") == "result":
+                        result = event["result"]
+                proc.wait(timeout=timeout_s)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                proc.stdin.close()
+        if proc.returncode != 0 or result is None:
+            tail = log_path.read_text()[-3000:]
+            raise BenchError(f"{label} worker exited with status {proc.returncode}; its log ends:\n{tail}")
+    return result, probes
 
 
 def python_of(path: str | Path) -> Path:

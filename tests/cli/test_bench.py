@@ -21,6 +21,7 @@ from toolkit.cli.bench.metrics import (
     RequestTiming, combine_throughput, decode_metrics, latency_metrics, summarize, throughput_metrics,
 )
 from toolkit.cli.bench.model import shape_config_only
+from toolkit.cli.bench.pipeline import bubble_model
 from toolkit.cli.bench.report import HIGHER, LOWER, build_rows, render_table, report_json
 from toolkit.cli.bench.roofline import bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, layer_linear_params, request_flops
 from toolkit.cli.bench.systems import BenchError, VLLMSystem, python_of
@@ -633,3 +634,42 @@ def test_bf16_run_takes_the_faster_dtype_probe_as_roofline(tiny, tmp_path):
     assert roof["compute_peak"]["flops_per_s"] == max(bf16["flops_per_s"], fp32["flops_per_s"])
     ours = json.loads(report.read_text())["systems"]["toolkit (eager)"]["roofline"]
     assert ours["peak_fraction_pct"] == pytest.approx(100 * ours["gflops_per_s"] * 1e9 / roof["compute_peak"]["flops_per_s"])
+
+
+def test_bubble_model_of_balanced_stages_predicts_the_measured_run_and_the_imbalance_of_others():
+    """Two stages of 2 layers each, each busy 1 s over 10 plans (0.2 s of it host work) and never
+    idle: the model must give back that run (1 s, no idle) at pp=2; at pp=3 the 4 layers split 1,2,1,
+    so the one-layer stages wait for the two-layer one."""
+    stage = {"plans": 10, "busy_s": 1.0, "compute_s": 0.8, "idle_fraction": 0.0, "decode_idle_fraction": 0.0}
+    model = bubble_model([stage, stage], num_layers=4, tokens_fed=100, output_tokens=50)
+    by_pp = {p["pp"]: p for p in model["predicted"]}
+    assert sorted(by_pp) == [1, 2, 3, 4]
+    assert by_pp[2]["elapsed_s"] == pytest.approx(1.0) and by_pp[2]["idle_fraction"] == pytest.approx([0, 0])
+    # pp=3: 15 plans, a plan's stage costs 0.02 s of host work + 1.6 s / 100 tokens over its share of the layers.
+    light, heavy = 0.02 + 0.016 * 100 / 15 / 4, 0.02 + 0.016 * 100 / 15 / 2
+    assert by_pp[3]["elapsed_s"] == pytest.approx(15 * heavy)
+    assert by_pp[3]["idle_fraction"] == pytest.approx([1 - light / heavy, 0, 1 - light / heavy])
+    # One stage: every plan holds all requests (5 plans), each paying the host work once.
+    assert by_pp[1]["elapsed_s"] == pytest.approx(5 * (0.02 + 0.016 * 100 / 5))
+    assert by_pp[2]["output_tokens_per_s"] == pytest.approx(50.0)
+
+
+def test_pipeline_variant_runs_two_stages_with_the_plain_runs_tokens(tiny, tmp_path):
+    """--variant '{"pipeline_parallel_size": 2}': our engine as 2 processes (torch.distributed.run), its
+    tokens the single process's, each stage's idle share and the bubble model's prediction reported."""
+    report = tmp_path / "pp.json"
+    result = bench("throughput", "--model", tiny, "--num-requests", 6, "--input-len", 4, 12, "--output-len", 3, 8,
+                   "--decode-tokens", 0, "--variant", '{"pipeline_parallel_size": 2}', "--json", report, *QUICK)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(report.read_text())
+    pp = doc["systems"]["toolkit (eager, pipeline_parallel_size=2)"]
+    assert pp["tokens_identical_to_plain"] is True
+    stages = pp["pipeline"]["stages"]
+    assert [s["layers"] for s in stages] == [[0, 1], [1, 2]] and stages[0]["plans"] == stages[1]["plans"] > 0
+    assert all(0 <= s["idle_fraction"] < 1 and s["max_in_flight"] == 2 for s in stages)
+    assert pp["throughput"]["output_tokens"] == doc["systems"]["toolkit (eager)"]["throughput"]["output_tokens"]
+    predicted = {p["pp"] for p in pp["pipeline"]["bubble_model"]["predicted"]}
+    assert predicted == {1, 2}  # the tiny model has 2 layers
+    assert "idle per stage over the timed run stage 1 (layers 0-0)" in result.output and "bubble model" in result.output
+    bad = bench("latency", "--model", tiny, "--variant", '{"pipeline_parallel_size": 2}', *QUICK)
+    assert bad.exit_code == 2 and "bench throughput` only" in bad.output

@@ -1,0 +1,125 @@
+"""Pipeline parallelism in `toolkit bench throughput`: our engine as pp stages (a --variant with
+pipeline_parallel_size), and the bubble model that predicts other stage counts from its stage times.
+
+`PipelineSystem` runs the workload in pp processes under torch.distributed.run (cli/bench/
+pipeline_worker.py: each rank one stage, `--threads` torch threads each, the workload timed as
+OursSystem times it), and reports each stage's busy, compute and idle time during the timed run.
+
+The bubble model (`bubble_model`), from those measured times, for pp = 1..8 stages on the same
+workload:
+- a plan (one step's batch) costs stage s  t_s = h + c * (l_s / L) * (T / N_P): h is the host work
+  per plan on every rank (schedule, inputs, update: busy minus compute, measured), c the compute time
+  per token through all L layers (measured: the stages' compute over the T tokens the run fed),
+  l_s the stage's layers (vLLM's split), N_P the plans: with pp plans in flight each takes 1/pp of
+  the live requests, so N_P = N_measured * P / P_measured;
+- in steady state each stage works on P plans per cycle and a plan must pass every stage before
+  its requests run again, so a plan takes max(max_s t_s, sum_s t_s / P): the run takes N_P times that,
+  and stage s idles 1 - t_s / that.
+It assumes compute proportional to tokens (a plan's fixed cost is in h) and free transfers (the hidden
+states of a step are kilobytes); its prediction at the measured pp is set beside the measurement.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from toolkit.cli.bench.systems import BenchError, Phase, run_worker
+from toolkit.cli.bench.workload import BenchRequest
+
+WORKER = Path(__file__).with_name("pipeline_worker.py")
+MAX_PREDICTED_STAGES = 8
+
+
+class PipelineSystem:
+    """Our engine with pipeline_parallel_size > 1, as that many processes under torch.distributed.run."""
+
+    name = "toolkit"
+
+    def __init__(self, label: str, model: Path, system_kwargs: dict, engine_args: dict, threads: int):
+        self.label = label
+        self.pp = int(engine_args["pipeline_parallel_size"])
+        tp = int(engine_args.get("tensor_parallel_size", 1))
+        if int(engine_args.get("data_parallel_size", 1)) != 1:
+            raise BenchError("a pipeline --variant runs one replica: leave data_parallel_size out")
+        self.world = self.pp * tp
+        self.spec = dict(model=str(Path(model).resolve()), system=system_kwargs, engine_args=engine_args,
+                         threads=threads)
+
+    def throughput(self, requests: list[BenchRequest], warm: BenchRequest, phase: Phase,
+                   timeout_s: float | None = None) -> dict:
+        """Start-up and the timed throughput run in the workers; their result, with each stage's times."""
+        pack = lambda r: {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len}  # noqa: E731
+        spec = dict(self.spec, warm=pack(warm), requests=[pack(r) for r in requests])
+        repo = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.spec["threads"]), "TORCHINDUCTOR_COMPILE_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.world}",
+                str(WORKER)]
+        result, _ = run_worker(argv, spec, env, phase, self.label, "toolkit-bench-pp-", timeout_s=timeout_s)
+        return result
+
+
+def stage_delta(before: list[dict], after: list[dict]) -> list[dict]:
+    """Each stage's times over one run: the counters after it less those before (Engine.pipeline_stats)."""
+    keys = ("plans", "busy_s", "idle_s", "compute_s", "decode_busy_s", "decode_idle_s", "hidden_bytes")
+    out = []
+    for b, a in zip(before, after):
+        d = {"stage": a["stage"], "layers": a["layers"], "max_in_flight": a["max_in_flight"],
+             **{k: a[k] - b[k] for k in keys}}
+        d["idle_fraction"] = _share(d["idle_s"], d["busy_s"])
+        d["decode_idle_fraction"] = _share(d["decode_idle_s"], d["decode_busy_s"])
+        out.append(d)
+    return out
+
+
+def bubble_model(stages: list[dict], num_layers: int, tokens_fed: int, output_tokens: int,
+                 max_stages: int = MAX_PREDICTED_STAGES) -> dict:
+    """Predicted elapsed time, output tokens/s and per-stage idle for 1..max_stages stages (module
+    docstring), from one measured run's `stages` (stage_delta), next to what that run measured."""
+    from toolkit.parallel.pipeline import layer_partition
+
+    measured_pp = len(stages)
+    plans = stages[0]["plans"]
+    if not plans or not tokens_fed:
+        raise ValueError("the pipeline run computed nothing to model")
+    host = sum(s["busy_s"] - s["compute_s"] for s in stages) / len(stages) / plans
+    per_token = sum(s["compute_s"] for s in stages) / tokens_fed
+    predictions = []
+    for pp in range(1, min(max_stages, num_layers) + 1):
+        num_plans = plans * pp / measured_pp
+        times = [host + per_token * (layers / num_layers) * tokens_fed / num_plans
+                 for layers in layer_partition(num_layers, pp)]
+        per_plan = max(max(times), sum(times) / pp)
+        elapsed = num_plans * per_plan
+        predictions.append({"pp": pp, "elapsed_s": elapsed, "output_tokens_per_s": output_tokens / elapsed,
+                            "idle_fraction": [1 - t / per_plan for t in times]})
+    measured = {"pp": measured_pp, "idle_fraction": [s["idle_fraction"] for s in stages],
+                "decode_idle_fraction": [s["decode_idle_fraction"] for s in stages]}
+    return {"host_s_per_plan": host, "compute_s_per_token": per_token, "measured": measured,
+            "predicted": predictions}
+
+
+def _share(idle: float, busy: float) -> float:
+    return idle / (idle + busy) if idle + busy > 0 else 0.0
+
+
+def report_lines(label: str, pipeline: dict, measured_tokens_per_s: float) -> list[str]:
+    """The stages' idle shares and the bubble model's predictions, as lines under the bench's table."""
+    model = pipeline["bubble_model"]
+    stages = pipeline["stages"]
+    lines = [f"{label}: idle per stage over the timed run "
+             + ", ".join(f"stage {s['stage'] + 1} (layers {s['layers'][0]}-{s['layers'][1] - 1}) "
+                         f"{100 * s['idle_fraction']:.1f}% (decode-only steps {100 * s['decode_idle_fraction']:.1f}%)"
+                         for s in stages)
+             + f"; up to {max(s['max_in_flight'] for s in stages)} plans in flight",
+             f"bubble model (host {1e3 * model['host_s_per_plan']:.2f} ms per plan, compute "
+             f"{1e6 * model['compute_s_per_token']:.1f} us per token, from this run):"]
+    for p in model["predicted"]:
+        here = p["pp"] == model["measured"]["pp"]
+        lines.append(f"  pp={p['pp']}: {p['output_tokens_per_s']:.1f} output tok/s, idle per stage "
+                     + "/".join(f"{100 * f:.0f}%" for f in p["idle_fraction"])
+                     + (f"   (measured: {measured_tokens_per_s:.1f} output tok/s, idle "
+                        + "/".join(f"{100 * f:.0f}%" for f in model["measured"]["idle_fraction"]) + ")" if here else ""))
+    return lines

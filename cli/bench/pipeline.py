@@ -7,16 +7,19 @@ OursSystem times it), and reports each stage's busy, compute and idle time durin
 
 The bubble model (`bubble_model`), from those measured times, for pp = 1..8 stages on the same
 workload:
-- a plan (one step's batch) costs stage s  t_s = h + c * (l_s / L) * (T / N_P): h is the host work
-  per plan on every rank (schedule, inputs, update: busy minus compute, measured), c the compute time
-  per token through all L layers (measured: the stages' compute over the T tokens the run fed),
-  l_s the stage's layers (vLLM's split), N_P the plans: with pp plans in flight each takes 1/pp of
-  the live requests, so N_P = N_measured * P / P_measured;
+- a plan (one step's batch) costs stage s  t_s = h + (l_s * w + [s is last] * e) * T / N_P: h is the
+  host work per plan on every rank (schedule, inputs, sampling, update: busy minus compute), w the
+  compute per token of one layer (the first stage's compute over its layers: its embedding is a
+  gather), e that of the final norm and lm_head (the last stage's compute beyond its layers), l_s
+  the stage's layers (vLLM's split), T the tokens the run fed and N_P the plans: with pp plans in
+  flight each takes 1/pp of the live requests, so N_P = N_measured * P / P_measured;
 - in steady state each stage works on P plans per cycle and a plan must pass every stage before
-  its requests run again, so a plan takes max(max_s t_s, sum_s t_s / P): the run takes N_P times that,
-  and stage s idles 1 - t_s / that.
-It assumes compute proportional to tokens (a plan's fixed cost is in h) and free transfers (the hidden
-states of a step are kilobytes); its prediction at the measured pp is set beside the measurement.
+  its requests run again, so a plan takes max(max_s t_s, sum_s t_s / P) + d, d (P > 1 only) being
+  the wait per plan that the measured bottleneck stage (the busiest) still had: hidden states and
+  tokens in transit, and plans of unequal size. The run takes N_P times that; stage s idles
+  1 - t_s / that.
+Its inputs come from the measured run, so at the measured pp it is a consistency check; the other
+stage counts are its predictions.
 """
 
 from __future__ import annotations
@@ -80,25 +83,28 @@ def bubble_model(stages: list[dict], num_layers: int, tokens_fed: int, output_to
     docstring), from one measured run's `stages` (stage_delta), next to what that run measured."""
     from toolkit.parallel.pipeline import layer_partition
 
-    measured_pp = len(stages)
-    plans = stages[0]["plans"]
-    if not plans or not tokens_fed:
-        raise ValueError("the pipeline run computed nothing to model")
+    measured_pp, plans = len(stages), stages[0]["plans"]
+    if measured_pp < 2 or not plans or not tokens_fed:
+        raise ValueError("the bubble model needs a run of two or more stages that computed something")
+    first, last = stages[0], stages[-1]
     host = sum(s["busy_s"] - s["compute_s"] for s in stages) / len(stages) / plans
-    per_token = sum(s["compute_s"] for s in stages) / tokens_fed
+    layer = first["compute_s"] / (first["layers"][1] - first["layers"][0]) / tokens_fed
+    head = max(0.0, last["compute_s"] / tokens_fed - layer * (last["layers"][1] - last["layers"][0]))
+    wait = max(stages, key=lambda s: s["busy_s"])["idle_s"] / plans
     predictions = []
     for pp in range(1, min(max_stages, num_layers) + 1):
         num_plans = plans * pp / measured_pp
-        times = [host + per_token * (layers / num_layers) * tokens_fed / num_plans
-                 for layers in layer_partition(num_layers, pp)]
-        per_plan = max(max(times), sum(times) / pp)
+        split = layer_partition(num_layers, pp)
+        times = [host + (layers * layer + (head if i == pp - 1 else 0.0)) * tokens_fed / num_plans
+                 for i, layers in enumerate(split)]
+        per_plan = max(max(times), sum(times) / pp) + (wait if pp > 1 else 0.0)
         elapsed = num_plans * per_plan
         predictions.append({"pp": pp, "elapsed_s": elapsed, "output_tokens_per_s": output_tokens / elapsed,
                             "idle_fraction": [1 - t / per_plan for t in times]})
     measured = {"pp": measured_pp, "idle_fraction": [s["idle_fraction"] for s in stages],
                 "decode_idle_fraction": [s["decode_idle_fraction"] for s in stages]}
-    return {"host_s_per_plan": host, "compute_s_per_token": per_token, "measured": measured,
-            "predicted": predictions}
+    return {"host_s_per_plan": host, "layer_s_per_token": layer, "head_s_per_token": head,
+            "wait_s_per_plan": wait, "measured": measured, "predicted": predictions}
 
 
 def _share(idle: float, busy: float) -> float:
@@ -114,8 +120,9 @@ def report_lines(label: str, pipeline: dict, measured_tokens_per_s: float) -> li
                          f"{100 * s['idle_fraction']:.1f}% (decode-only steps {100 * s['decode_idle_fraction']:.1f}%)"
                          for s in stages)
              + f"; up to {max(s['max_in_flight'] for s in stages)} plans in flight",
-             f"bubble model (host {1e3 * model['host_s_per_plan']:.2f} ms per plan, compute "
-             f"{1e6 * model['compute_s_per_token']:.1f} us per token, from this run):"]
+             f"bubble model (from this run: host {1e3 * model['host_s_per_plan']:.2f} ms and wait "
+             f"{1e3 * model['wait_s_per_plan']:.2f} ms per plan; per token {1e6 * model['layer_s_per_token']:.1f} us "
+             f"a layer, {1e6 * model['head_s_per_token']:.1f} us the head):"]
     for p in model["predicted"]:
         here = p["pp"] == model["measured"]["pp"]
         lines.append(f"  pp={p['pp']}: {p['output_tokens_per_s']:.1f} output tok/s, idle per stage "

@@ -636,22 +636,30 @@ def test_bf16_run_takes_the_faster_dtype_probe_as_roofline(tiny, tmp_path):
     assert ours["peak_fraction_pct"] == pytest.approx(100 * ours["gflops_per_s"] * 1e9 / roof["compute_peak"]["flops_per_s"])
 
 
-def test_bubble_model_of_balanced_stages_predicts_the_measured_run_and_the_imbalance_of_others():
-    """Two stages of 2 layers each, each busy 1 s over 10 plans (0.2 s of it host work) and never
-    idle: the model must give back that run (1 s, no idle) at pp=2; at pp=3 the 4 layers split 1,2,1,
-    so the one-layer stages wait for the two-layer one."""
-    stage = {"plans": 10, "busy_s": 1.0, "compute_s": 0.8, "idle_fraction": 0.0, "decode_idle_fraction": 0.0}
-    model = bubble_model([stage, stage], num_layers=4, tokens_fed=100, output_tokens=50)
+def test_bubble_model_gives_back_the_measured_run_and_predicts_the_split_of_others():
+    """Two stages of 2 layers over 10 plans and 100 fed tokens, 0.2 s of each stage's busy time host work;
+    the last stage's extra compute is its head. At the measured pp the model must give back the
+    bottleneck stage's wall time (busy + idle); at pp=3 the 4 layers split 1,2,1."""
+    first = {"layers": [0, 2], "plans": 10, "busy_s": 1.0, "compute_s": 0.8, "idle_s": 0.3,
+             "idle_fraction": 0.23, "decode_idle_fraction": 0.2}
+    last = dict(first, layers=[2, 4], busy_s=1.2, compute_s=1.0, idle_s=0.1)
+    model = bubble_model([first, last], num_layers=4, tokens_fed=100, output_tokens=50)
+    assert model["layer_s_per_token"] == pytest.approx(0.004) and model["head_s_per_token"] == pytest.approx(0.002)
+    assert model["host_s_per_plan"] == pytest.approx(0.02) and model["wait_s_per_plan"] == pytest.approx(0.01)
     by_pp = {p["pp"]: p for p in model["predicted"]}
     assert sorted(by_pp) == [1, 2, 3, 4]
-    assert by_pp[2]["elapsed_s"] == pytest.approx(1.0) and by_pp[2]["idle_fraction"] == pytest.approx([0, 0])
-    # pp=3: 15 plans, a plan's stage costs 0.02 s of host work + 1.6 s / 100 tokens over its share of the layers.
-    light, heavy = 0.02 + 0.016 * 100 / 15 / 4, 0.02 + 0.016 * 100 / 15 / 2
-    assert by_pp[3]["elapsed_s"] == pytest.approx(15 * heavy)
-    assert by_pp[3]["idle_fraction"] == pytest.approx([1 - light / heavy, 0, 1 - light / heavy])
-    # One stage: every plan holds all requests (5 plans), each paying the host work once.
-    assert by_pp[1]["elapsed_s"] == pytest.approx(5 * (0.02 + 0.016 * 100 / 5))
-    assert by_pp[2]["output_tokens_per_s"] == pytest.approx(50.0)
+    assert by_pp[2]["elapsed_s"] == pytest.approx(1.2 + 0.1)
+    assert by_pp[2]["output_tokens_per_s"] == pytest.approx(50 / 1.3)
+    assert by_pp[2]["idle_fraction"] == pytest.approx([1 - 0.10 / 0.13, 1 - 0.12 / 0.13])
+    # One stage: 5 plans of every live request, no transfers.
+    assert by_pp[1]["elapsed_s"] == pytest.approx(5 * (0.02 + (4 * 0.004 + 0.002) * 100 / 5))
+    # Three stages: 15 plans; the middle stage holds 2 layers, the last 1 layer and the head.
+    per = 100 / 15
+    times = [0.02 + 0.004 * per, 0.02 + 0.008 * per, 0.02 + 0.006 * per]
+    assert by_pp[3]["elapsed_s"] == pytest.approx(15 * (times[1] + 0.01))
+    assert by_pp[3]["idle_fraction"] == pytest.approx([1 - t / (times[1] + 0.01) for t in times])
+    with pytest.raises(ValueError, match="two or more stages"):
+        bubble_model([first], num_layers=4, tokens_fed=100, output_tokens=50)
 
 
 def test_pipeline_variant_runs_two_stages_with_the_plain_runs_tokens(tiny, tmp_path):

@@ -26,9 +26,8 @@ import pytest
 import torch
 
 from tests.checkpoints import hf_greedy, write_checkpoint
-from tests.parallel.test_parallel import (COMPILE_BACKEND, LAUNCH_TIMEOUT_S, REPO, output_tail, read_reports, torchrun,
-                                         worker_env)
-from toolkit import LLM, SamplingParams
+from tests.parallel.test_parallel import (COMPILE_BACKEND, LAUNCH_TIMEOUT_S, REPO, output_tail, read_reports,
+                                         single_process, torchrun, worker_env)
 from toolkit.parallel import ParallelConfigError
 from toolkit.parallel.expert_parallel import check_expert_parallel, expert_range, tp_expert_slice
 
@@ -68,11 +67,7 @@ def moe(tmp_path_factory):
     prompts_file.write_text(json.dumps(prompts))
     expected, counts = {}, {}
     for name, path in paths.items():
-        llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
-                  skip_tokenizer_init=True, cpu_linear="torch")
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
-        expected[name] = [o.outputs[0].token_ids for o in outs]
+        expected[name], llm = single_process(path, prompts, NEW_TOKENS)
         counts[name] = [m.tokens_per_expert.tolist() for m in llm.engine.runner.model.modules()
                         if type(m).__name__ == "Experts"]
         del llm

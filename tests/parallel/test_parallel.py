@@ -55,13 +55,8 @@ def case(tmp_path_factory):
     prompts_file.write_text(json.dumps(prompts))
     expected, params = {}, {}
     for family, path in paths.items():
-        # Plain weights, as on the TP ranks: same matmul kernels, and parameter bytes to compare.
-        llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
-                  skip_tokenizer_init=True, cpu_linear="torch")
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
-        expected[family] = [o.outputs[0].token_ids for o in outs]
-        params[family] = {n: p.numel() * p.element_size() for n, p in llm.engine.runner.model.named_parameters()}
+        expected[family], llm = single_process(path, prompts, NEW_TOKENS)
+        params[family] = param_bytes(llm)
     return SimpleNamespace(root=root, paths=paths, prompts=prompts_file, expected=expected, param_bytes=params)
 
 
@@ -279,6 +274,21 @@ def split_into_shards(path: Path) -> Path:
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (path / "model.safetensors").unlink()
     return path
+
+
+def single_process(path: Path, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], LLM]:
+    """The oracle run: one process, eager, with plain weights as on the parallel ranks (the same matmul
+    kernels, and parameter bytes to compare); its greedy tokens per prompt, and the LLM."""
+    llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
+              skip_tokenizer_init=True, cpu_linear="torch")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def param_bytes(llm: LLM) -> dict[str, int]:
+    """Each parameter's bytes by name (a tied tensor under its first name only)."""
+    return {n: p.numel() * p.element_size() for n, p in llm.engine.runner.model.named_parameters()}
 
 
 def model_args(case, families) -> list[str]:

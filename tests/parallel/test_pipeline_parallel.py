@@ -26,8 +26,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
-from tests.parallel.test_parallel import COMPILE_BACKEND, output_tail, read_reports, torchrun
-from toolkit import LLM, SamplingParams
+from tests.parallel.test_parallel import (COMPILE_BACKEND, output_tail, param_bytes, read_reports, single_process,
+                                         torchrun)
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +46,12 @@ def case(tmp_path_factory):
     prompts = random_prompts(NUM_PROMPTS, seed=5, low=3, high=30)
     prompts_file = root / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    expected, param_bytes = {}, {}
+    expected, params = {}, {}
     for family, path in paths.items():
-        llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
-                  skip_tokenizer_init=True, cpu_linear="torch")
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
-        expected[family] = [o.outputs[0].token_ids for o in outs]
+        expected[family], llm = single_process(path, prompts, NEW_TOKENS)
         assert expected[family] == hf_greedy(path, prompts, NEW_TOKENS), family
-        param_bytes[family] = {n: p.numel() * p.element_size() for n, p in llm.engine.runner.model.named_parameters()}
-    return SimpleNamespace(paths=paths, prompts=prompts_file, expected=expected, param_bytes=param_bytes)
+        params[family] = param_bytes(llm)
+    return SimpleNamespace(paths=paths, prompts=prompts_file, expected=expected, param_bytes=params)
 
 
 def worker_args(case, *flags: str, engine_args: dict | None = None) -> list[str]:

@@ -180,12 +180,59 @@ class PipelineParallel:
         self._posted: deque = deque()  # on the result source: (works, tensors, result) per plan
         self.stats = StageStats()
         self._idle = 0.0
+        # Receive-ahead (gloo only; see receive_ahead): the receive posted for the next plan's hidden
+        # states, and whether the next stage has one waiting for this stage's (so `drain` must end it).
+        self._ahead_rows: int | None = None
+        self._ahead = None
+        self._owed = None  # a one-row tensor shaped like this stage's last send, when one is owed
+        self._cpu = mesh.device_type == "cpu"
+
+    def receive_ahead(self, max_rows: int) -> None:
+        """On CPU (gloo), keep the receive for the next plan's hidden states posted ahead, sized for the
+        largest plan (`max_rows` tokens): gloo moves a message only once both ends are posted, and
+        when the receive comes after the send it is the sending process's transport thread that
+        moves it, which waits for a time slice behind that process's compute: milliseconds per plan
+        that the receiving stage spent idle (docs/benchmarks.md). Posted ahead, the sender writes at
+        once. NCCL needs equal sizes and progresses on the GPU: it receives each plan exactly."""
+        if self._cpu and not self.stage.is_first:
+            self._ahead_rows = max_rows
 
     def recv_hidden(self, shape: tuple[int, ...], dtype, device) -> torch.Tensor:
-        hidden = torch.empty(shape, dtype=dtype, device=device)
-        with self._waiting(f"stage {self.stage.index} (rank {self.rank - self.tp_size})'s hidden states"):
-            dist.recv(hidden, group=self.group, group_src=self.stage.index - 1)
-        return hidden
+        rows = self._ahead_rows
+        what = f"stage {self.stage.index} (rank {self.rank - self.tp_size})'s hidden states"
+        if rows is None:
+            hidden = torch.empty(shape, dtype=dtype, device=device)
+            with self._waiting(what):
+                dist.recv(hidden, group=self.group, group_src=self.stage.index - 1)
+            return hidden
+        if shape[0] > rows:
+            raise RuntimeError(f"a plan of {shape[0]} tokens is more than the {rows} the receive was posted for "
+                               "(a bug: please report)")
+        if self._ahead is None:
+            self._ahead = self._post((rows, *shape[1:]), dtype, device)
+        work, buffer = self._ahead
+        with self._waiting(what):
+            work.wait()
+        self._ahead = self._post((rows, *shape[1:]), dtype, device)
+        return buffer[: shape[0]].clone()  # its own tensor: a compiled step guards on a view's base
+
+    def _post(self, shape, dtype, device):
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        return dist.irecv(buffer, group=self.group, group_src=self.stage.index - 1), buffer
+
+    def drain(self) -> None:
+        """When no plan is in flight and none is coming (every rank of the replica at once: the engine
+        calls it when it has no request left): the receives posted ahead are ended by a one-row
+        message from the stage before, so none is left pending for the process group's teardown or
+        the next engine; the next plan posts afresh."""
+        if self._owed is not None:
+            end, self._owed = self._owed, None
+            self._sends.append((dist.isend(end, group=self.group, group_dst=self.stage.index + 1), end))
+        if self._ahead is not None:
+            work, _ = self._ahead
+            self._ahead = None
+            with self._waiting(f"stage {self.stage.index} (rank {self.rank - self.tp_size})'s end of the run"):
+                work.wait()
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         while self._sends and self._sends[0][0].is_completed():
@@ -195,6 +242,8 @@ class PipelineParallel:
         hidden = hidden.clone() if hidden.is_cuda else hidden.contiguous()
         self._sends.append((dist.isend(hidden, group=self.group, group_dst=self.stage.index + 1), hidden))
         self.stats.hidden_bytes += hidden.numel() * hidden.element_size()
+        if self._cpu:  # the next stage posts its receives ahead (receive_ahead): it will need an end message
+            self._owed = hidden.new_zeros((1, *hidden.shape[1:]))
 
     def post_result(self, result) -> None:
         """On the result source: start sending one plan's result (any picklable object) to the replica."""

@@ -24,6 +24,7 @@ from toolkit import backends
 from toolkit.config import (EngineConfig, ModelConfig, UnsupportedModelError, check_device, check_sliding_window,
                             load_model_config)
 from toolkit.detokenizer import IncrementalDetokenizer
+from toolkit.inputs import MIN_TOKENS
 from toolkit.kv_hierarchy import build_kv_hierarchy
 from toolkit.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from toolkit.runner import ModelRunner
@@ -113,6 +114,8 @@ class Engine:
             raise FileNotFoundError(f"tokenizer={config.tokenizer!r} has none of {', '.join(TOKENIZER_FILES)}")
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
         self.runner = ModelRunner(config, mc, self.backend, self.tp, ep=self.ep, pp=self.pp)
+        if self.pp is not None:  # no plan packs more tokens than the budget (padded to at least MIN_TOKENS)
+            self.pp.receive_ahead(max(config.max_num_batched_tokens, MIN_TOKENS))
         kv = self.runner.kv_spec
         self.sampler = Sampler(config.seed)
         spec = config.speculative_config
@@ -328,7 +331,10 @@ class Engine:
         every replica's loop `while engine.has_unfinished(): engine.step()` runs the same steps and ends
         at the same one: there it must be called once per step, on every rank."""
         if self._lockstep is None:
-            return bool(self._groups)
+            busy = bool(self._groups)
+            if not busy and self.pp is not None:
+                self.pp.drain()  # every rank of the replica sees no request left at the same step
+            return busy
         return self._lockstep.any_busy(bool(self._groups))
 
     # --- one step --------------------------------------------------------------------------

@@ -256,6 +256,10 @@ def test_parallel_sizes_must_multiply_to_the_world_size():
         check_sizes(2, 1, 1)
     with pytest.raises(ParallelConfigError, match="must be an integer >= 1"):
         check_sizes(0, 1, 1)
+    check_sizes(2, 2, 8, pp=2)
+    with pytest.raises(ParallelConfigError, match=r"data_parallel_size 1 x pipeline_parallel_size 3 = 6 processes, "
+                                                  r"but .* world size of 4"):
+        check_sizes(2, 1, 4, pp=3)
 
 
 # --- helpers --------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ Each launch checks several things at once, since every launch starts 3-4 process
   and its TP share of the kv heads.
 - pp=2 x dp=2 with an explicit partition ("1,4") and preemption forced: the tokens, gathered on
   rank 0 only.
-- a stage that dies mid-run ends the job, with the waiting rank's error naming the dead one.
+- a stage that dies or hangs mid-run ends the job (a hang within the collective timeout), with the
+  waiting rank's error naming the other one.
 """
 
 from __future__ import annotations
@@ -137,5 +138,19 @@ def test_a_stage_dying_mid_run_ends_the_job_naming_it(case, tmp_path):
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "pipeline stage 1 of 2 (rank 0) stopped waiting for the last stage (rank 1)'s tokens" in (
+        proc.stdout + proc.stderr), output_tail(proc)
+    assert elapsed < 150, f"the job took {elapsed:.0f} s to fail"
+
+
+def test_a_silent_stage_fails_the_job_after_the_timeout_naming_it(case, tmp_path):
+    """The first stage hangs (alive, sockets open): the last stage, waiting for its hidden states, gives
+    up after TOOLKIT_DIST_TIMEOUT and names it."""
+    start = time.monotonic()
+    proc = torchrun(tmp_path, ["--nproc-per-node=2", "--standalone"],
+                    ["--model", str(case.paths["llama3"]), "--prompts", str(case.prompts), "--pp", "2",
+                     "--fail-rank", "0", "--fail-mode", "hang"], env={"TOOLKIT_DIST_TIMEOUT": "10"})
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "pipeline stage 2 of 2 (rank 1) stopped waiting for stage 1 (rank 0)'s hidden states" in (
         proc.stdout + proc.stderr), output_tail(proc)
     assert elapsed < 150, f"the job took {elapsed:.0f} s to fail"

@@ -12,7 +12,8 @@ Each launch checks several things at once, since every launch starts 3-4 process
 - pp=2 x tp=2 (compiled through DTensor): the tokens, and each rank's KV holds its stage's layers
   and its TP share of the kv heads.
 - pp=2 x dp=2 with an explicit partition ("1,4") and preemption forced: the tokens, gathered on
-  rank 0 only.
+  rank 0 only; and seeded sampling (n=2) with logprobs and prompt logprobs, which travel back from
+  the last stage with the tokens: the single process's tokens, and its logprobs within 1e-4.
 - a stage that dies or hangs mid-run ends the job (a hang within the collective timeout), with the
   waiting rank's error naming the other one.
 """
@@ -29,6 +30,8 @@ import pytest
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
 from tests.parallel.test_parallel import (COMPILE_BACKEND, output_tail, param_bytes, read_reports, single_process,
                                          torchrun)
+from tests.parallel.worker import sampled_report
+from toolkit import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +41,7 @@ NUM_LAYERS, NUM_PROMPTS, NEW_TOKENS = 5, 8, 10
 # of up to 30 tokens plus 10 new ones cannot all fit, so requests are preempted and recompute.
 SQUEEZED_KV = 4 * 16 * 2 * 2 * 2 * 16 * 4
 CHUNKED = 16  # max_num_batched_tokens: most prompts are prefilled in several chunks
+SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7, n=2, logprobs=2, prompt_logprobs=1, max_tokens=6)
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +51,14 @@ def case(tmp_path_factory):
     prompts = random_prompts(NUM_PROMPTS, seed=5, low=3, high=30)
     prompts_file = root / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    expected, params = {}, {}
+    expected, params, sampled = {}, {}, {}
     for family, path in paths.items():
         expected[family], llm = single_process(path, prompts, NEW_TOKENS)
         assert expected[family] == hf_greedy(path, prompts, NEW_TOKENS), family
         params[family] = param_bytes(llm)
-    return SimpleNamespace(paths=paths, prompts=prompts_file, expected=expected, param_bytes=params)
+        sampled[family] = [sampled_report(o) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(**SAMPLED), use_tqdm=False)]
+    return SimpleNamespace(paths=paths, prompts=prompts_file, expected=expected, param_bytes=params, sampled=sampled)
 
 
 def worker_args(case, *flags: str, engine_args: dict | None = None) -> list[str]:
@@ -118,7 +124,7 @@ def test_pp2_x_tp2_matches_single_process(case, tmp_path):
 
 def test_pp2_x_dp2_with_a_partition_matches_single_process(case, tmp_path):
     proc = torchrun(tmp_path, ["--nproc-per-node=4", "--standalone"],
-                    worker_args(case, "--pp", "2", "--dp", "2",
+                    worker_args(case, "--pp", "2", "--dp", "2", "--sampled", json.dumps(SAMPLED),
                                 engine_args={"pp_layer_partition": "1,4", "kv_cache_memory_bytes": 2 * SQUEEZED_KV}))
     assert proc.returncode == 0, output_tail(proc)
     reports = read_reports(tmp_path, 4)
@@ -126,7 +132,21 @@ def test_pp2_x_dp2_with_a_partition_matches_single_process(case, tmp_path):
         assert reports[0]["models"][i]["tokens"] == case.expected[family], family
         assert all(r["models"][i]["tokens"] == [] for r in reports[1:]), "only global rank 0 returns outputs"
         assert [r["models"][i]["kv_layers"] for r in reports] == [1, 4, 1, 4]  # dp0: ranks 0-1, dp1: ranks 2-3
+        assert_same_samples(reports[0]["models"][i]["sampled"], case.sampled[family])
     assert sum(r["models"][0]["preemptions"] for r in reports) > 0
+
+
+def assert_same_samples(got: list[dict], want: list[dict]) -> None:
+    """The same tokens per sequence; the same logprob entries (token ids exact, values within 1e-4)."""
+    assert [[o["tokens"] for o in r["outputs"]] for r in got] == [[o["tokens"] for o in r["outputs"]] for r in want]
+    pairs = [(g, w) for rg, rw in zip(got, want) for og, ow in zip(rg["outputs"], rw["outputs"])
+             for g, w in zip(og["logprobs"], ow["logprobs"])]
+    pairs += [(g, w) for rg, rw in zip(got, want) for g, w in zip(rg["prompt_logprobs"], rw["prompt_logprobs"])]
+    assert len(pairs) > NUM_PROMPTS
+    for g, w in pairs:
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in g), (g, w)
 
 
 def test_a_stage_dying_mid_run_ends_the_job_naming_it(case, tmp_path):

@@ -3,7 +3,7 @@
 Every rank builds `LLM(model, tensor_parallel_size=..., data_parallel_size=...)` for each --model
 in turn (with the n-th --speculative-config, if given, and --engine-args for all) (the same model may come several times: a process that builds engine after engine) and
 generates greedily for the prompts in --prompts (the n-th --prompts for the n-th model, the last one for
-the models after it); each rank writes what it saw to <out>/rank<R>.json:
+the models after it), and with --sampled once more with those SamplingParams; each rank writes what it saw to <out>/rank<R>.json:
 rank 0 the generated token ids, every rank its resident parameter bytes, its KV-cache shape and the
 graphs each engine compiled. Fault injection for the failure tests: --model-for-rank gives one rank its own
 copy of the checkpoint (e.g. one that lacks a shard file), --fail-rank/--fail-after-steps makes one
@@ -47,7 +47,12 @@ def main() -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
         runner = llm.engine.runner
+        sampled = None
+        if args.sampled is not None:  # then a seeded sampled run with logprobs, every output reported
+            sampled = [sampled_report(o) for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], SamplingParams(**json.loads(args.sampled)), use_tqdm=False)]
         report["models"].append({
+            "sampled": sampled,
             "model": model,
             "tokens": [o.outputs[0].token_ids for o in outs],
             "param_bytes": resident_param_bytes(runner.model),
@@ -86,10 +91,19 @@ def parse_args() -> argparse.Namespace:
                    help="for the n-th --model, in order (models without one decode plainly)")
     p.add_argument("--engine-args", default="{}", metavar="JSON", help="more LLM(...) keyword arguments, every model")
     p.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND", help="torch.compile (default: eager)")
+    p.add_argument("--sampled", metavar="JSON", help="SamplingParams keywords of a second, sampled run per model")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-after-steps", type=int, default=3)
     p.add_argument("--fail-mode", choices=("exit", "hang"), default="exit")
     return p.parse_args()
+
+
+def sampled_report(out) -> dict:
+    """A request's outputs as JSON: each sequence's tokens and per-token logprob entries, and the
+    prompt logprobs ({token id: logprob} per position)."""
+    entry = lambda e: None if e is None else {str(t): lp.logprob for t, lp in e.items()}  # noqa: E731
+    return {"outputs": [{"tokens": c.token_ids, "logprobs": [entry(e) for e in c.logprobs or []]} for c in out.outputs],
+            "prompt_logprobs": [entry(e) for e in out.prompt_logprobs or []]}
 
 
 def fail_after(llm: LLM, steps: int, mode: str) -> None:

@@ -1,7 +1,8 @@
 """Parallelism: process groups and the device mesh, DTensor tensor-parallel plans, data-parallel
 request sharding (and the replicas' lockstep under expert parallelism), expert parallelism (the
-all-to-all dispatcher of MoE layers), pipeline stages (`pipeline.py`: the layer partition and the
-model cut to one stage), and a launcher that re-runs a command through torch.distributed.run.
+all-to-all dispatcher of MoE layers), pipeline stages (`pipeline.py`: the layer partition, the
+model cut to one stage, the stages' point-to-point links), the prefill/decode layout and KV data
+plane (`disaggregated.py`), and a launcher that re-runs a command through torch.distributed.run.
 
 Leaf package: imports torch and torch.distributed only (it reads the model config's head counts
 and the model's module names, but never imports toolkit).

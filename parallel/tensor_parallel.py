@@ -140,6 +140,20 @@ def _tp_problem(config, tp: int, expert_parallel: bool = False) -> str | None:
     return None
 
 
+def kv_heads(rank: int, tp: int, num_kv_heads: int) -> range:
+    """The global kv heads TP rank `rank` of `tp` holds (in its KV cache's order): its 1/tp share, or
+    with fewer kv heads than ranks the one its query heads attend with (each head copied on tp/H ranks)."""
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ParallelConfigError(f"tensor_parallel_size {tp} does not divide the model's {num_kv_heads} kv heads")
+        per = num_kv_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    if tp % num_kv_heads:
+        raise ParallelConfigError(f"tensor_parallel_size {tp} ranks cannot share the model's {num_kv_heads} kv heads")
+    head = rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
 class TensorParallel:
     """One replica's tensor-parallel group: the slices this rank loads, the plan, token broadcast."""
 
@@ -163,7 +177,7 @@ class TensorParallel:
 
     @property
     def num_kv_heads_local(self) -> int:
-        return 1 if self.replicate_kv else self.config.num_kv_heads // self.size
+        return len(kv_heads(self.rank, self.size, self.config.num_kv_heads))
 
     # --- loading -------------------------------------------------------------------------------
 
@@ -204,7 +218,7 @@ class TensorParallel:
 
     def _kv_head_rows(self, shape: torch.Size) -> tuple[slice, ...]:
         """k/v rows (weight or bias) of the one kv head this rank's query heads attend with."""
-        head = self.rank // (self.size // self.config.num_kv_heads)
+        head = kv_heads(self.rank, self.size, self.config.num_kv_heads).start
         d = self.config.head_dim
         return (slice(head * d, (head + 1) * d),) + tuple(slice(0, n) for n in shape[1:])
 

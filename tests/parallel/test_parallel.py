@@ -300,8 +300,9 @@ def model_args(case, families) -> list[str]:
     return [*args, "--prompts", str(case.prompts), "--max-tokens", str(NEW_TOKENS)]
 
 
-def torchrun(out: Path, launcher_args: list[str], worker_args: list[str], env: dict | None = None):
-    return subprocess.run(command(out, launcher_args, worker_args), cwd=REPO, env=worker_env(env),
+def torchrun(out: Path, launcher_args: list[str], worker_args: list[str], env: dict | None = None,
+             script: Path = WORKER):
+    return subprocess.run(command(out, launcher_args, worker_args, script), cwd=REPO, env=worker_env(env),
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
 
@@ -327,9 +328,9 @@ def launch_two_nodes(out: Path, worker_args: list[str], env: dict | None = None)
     return results
 
 
-def command(out: Path, launcher_args: list[str], worker_args: list[str]) -> list[str]:
+def command(out: Path, launcher_args: list[str], worker_args: list[str], script: Path = WORKER) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
-    return [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(WORKER), "--out", str(out), *worker_args]
+    return [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(script), "--out", str(out), *worker_args]
 
 
 def worker_env(extra: dict | None) -> dict:

@@ -191,9 +191,8 @@ class PipelineParallel:
         """On CPU (gloo), keep the receive for the next plan's hidden states posted ahead, sized for the
         largest plan (`max_rows` tokens): gloo moves a message only once both ends are posted, and
         when the receive comes after the send it is the sending process's transport thread that
-        moves it, which waits for a time slice behind that process's compute: milliseconds per plan
-        that the receiving stage spent idle (docs/benchmarks.md). Posted ahead, the sender writes at
-        once. NCCL needs equal sizes and progresses on the GPU: it receives each plan exactly."""
+        moves it, which waits for a time slice behind that process's compute while the receiving
+        stage idles (measured in docs/benchmarks.md). Posted ahead, the sender writes at once. NCCL needs equal sizes and progresses on the GPU: it receives each plan exactly."""
         if self._cpu and not self.stage.is_first:
             self._ahead_rows = max_rows
 

@@ -241,7 +241,7 @@ class PipelineParallel:
         hidden = hidden.clone() if hidden.is_cuda else hidden.contiguous()
         self._sends.append((dist.isend(hidden, group=self.group, group_dst=self.stage.index + 1), hidden))
         self.stats.hidden_bytes += hidden.numel() * hidden.element_size()
-        if self._cpu:  # the next stage posts its receives ahead (receive_ahead): it will need an end message
+        if self._cpu and self._owed is None:  # the next stage posts its receives ahead: it will need an end message
             self._owed = hidden.new_zeros((1, *hidden.shape[1:]))
 
     def post_result(self, result) -> None:
@@ -272,12 +272,15 @@ class PipelineParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.replica_group)
         return int(t.item())
 
-    def all_stats(self) -> list[dict]:
-        """Every rank of the replica's StageStats (a collective over the replica: call on all its ranks)."""
-        mine = {"stage": self.stage.index, "layers": [self.stage.layers.start, self.stage.layers.stop],
+    def report(self) -> dict:
+        """This rank's stage (index, [first, last + 1) layers) and its StageStats so far."""
+        return {"stage": self.stage.index, "layers": [self.stage.layers.start, self.stage.layers.stop],
                 **self.stats.as_dict()}
+
+    def all_stats(self) -> list[dict]:
+        """Every rank of the replica's `report` (a collective over the replica: call on all its ranks)."""
         out = [None] * len(self.replica_ranks)
-        dist.all_gather_object(out, mine, group=self.replica_group)
+        dist.all_gather_object(out, self.report(), group=self.replica_group)
         return out
 
     @contextmanager

@@ -159,9 +159,7 @@ class Engine:
         if self.ep is not None:
             stats["expert_parallel"] = self._ep_stats()
         if self.pp is not None:
-            stats["pipeline"] = {"stage": self.pp.stage.index, "layers": [self.pp.stage.layers.start,
-                                                                          self.pp.stage.layers.stop],
-                                 **self.pp.stats.as_dict()}
+            stats["pipeline"] = self.pp.report()
         if self.speculator is not None:
             stats["spec_decode"] = self.speculator.stats.as_dict()
             draft = stats["draft_runner"] = self.speculator.runner_stats()

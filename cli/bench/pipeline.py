@@ -66,15 +66,14 @@ class PipelineSystem:
 
 def stage_delta(before: list[dict], after: list[dict]) -> list[dict]:
     """Each stage's times over one run: the counters after it less those before (Engine.pipeline_stats)."""
-    keys = ("plans", "busy_s", "idle_s", "compute_s", "decode_busy_s", "decode_idle_s", "hidden_bytes")
-    out = []
-    for b, a in zip(before, after):
-        d = {"stage": a["stage"], "layers": a["layers"], "max_in_flight": a["max_in_flight"],
-             **{k: a[k] - b[k] for k in keys}}
-        d["idle_fraction"] = _share(d["idle_s"], d["busy_s"])
-        d["decode_idle_fraction"] = _share(d["decode_idle_s"], d["decode_busy_s"])
-        out.append(d)
-    return out
+    from dataclasses import fields
+
+    from toolkit.parallel.pipeline import StageStats
+
+    counters = [f.name for f in fields(StageStats) if f.name != "max_in_flight"]
+    return [{"stage": a["stage"], "layers": a["layers"],
+             **StageStats(max_in_flight=a["max_in_flight"], **{k: a[k] - b[k] for k in counters}).as_dict()}
+            for b, a in zip(before, after)]
 
 
 def bubble_model(stages: list[dict], num_layers: int, tokens_fed: int, output_tokens: int,
@@ -107,10 +106,6 @@ def bubble_model(stages: list[dict], num_layers: int, tokens_fed: int, output_to
                 "decode_idle_fraction": [s["decode_idle_fraction"] for s in stages]}
     return {"host_s_per_plan": host, "layer_s_per_token": layer, "head_s_per_token": head,
             "wait_s_per_plan": wait, "measured": measured, "predicted": predictions}
-
-
-def _share(idle: float, busy: float) -> float:
-    return idle / (idle + busy) if idle + busy > 0 else 0.0
 
 
 def report_lines(label: str, pipeline: dict, measured_tokens_per_s: float) -> list[str]:

@@ -194,6 +194,11 @@ class TieredKVConnector(KVConnectorScheduler):
             elif copy.tier == "cpu" and self._cpu.get(copy.key) == copy.slot:
                 self._free_slots.append(self._cpu.pop(copy.key))
 
+    def loads_dropped(self, copies: list[BlockCopy]) -> None:
+        for copy in copies:
+            if not copy.key.startswith("swap:"):
+                self.tier_stats.hit_blocks[copy.tier] -= 1  # counted when planned
+
     def reset(self) -> None:
         """Forget the CPU tier's cached blocks (swapped-out requests keep theirs; the disk tier is kept:
         outliving the process is its point)."""

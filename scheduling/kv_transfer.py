@@ -66,6 +66,10 @@ class KVConnectorScheduler(ABC):
     def transfers_failed(self, copies: list[BlockCopy]) -> None:
         """The worker could not carry these out: forget the entries they came from."""
 
+    def loads_dropped(self, copies: list[BlockCopy]) -> None:
+        """These loads arrived, but for requests the step dropped because another of their loads failed
+        (they recompute): not hits, though their entries are sound."""
+
     def blocks_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
         """Cached device blocks handed to new owners in this step (their KV is still whole until the
         step's saves have run)."""

@@ -111,6 +111,7 @@ class Scheduler:
         self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self._admissions: dict[str, tuple[int, int, int]] = {}  # this step's (queried, device, external) tokens
+        self._first_admitted: set[str] = set()  # requests whose num_cached_tokens this step's admission set
         self._requests: dict[str, Request] = {}  # live requests only: waiting, preempted or running
         self._keys: dict[str, tuple] = {}  # service order: a smaller key is admitted first and preempted last
         self._waiting: list[tuple[tuple, Request]] = []  # a heap on the key
@@ -416,6 +417,7 @@ class Scheduler:
                                                     num_external * self.config.block_size)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = found
+            self._first_admitted.add(request.request_id)
         return block_table, num_new
 
     def pending_transfers(self) -> KVTransferPlan | None:
@@ -428,15 +430,22 @@ class Scheduler:
         and back to the waiting queue, where it recomputes those tokens. Returns their ids."""
         self.connector.transfers_failed(failed)
         bad = {copy.block_id for copy in failed}
-        requeued = []
+        requeued, dropped = [], set()
         for scheduled in list(output.scheduled):
             if bad.isdisjoint(scheduled.block_table):
                 continue
+            dropped.update(scheduled.block_table)
             request = self._requests[scheduled.request_id]
             self._admissions.pop(request.request_id, None)
-            request.num_cached_tokens = -1
+            if request.request_id in self._first_admitted:
+                # The count was this admission's, which lost its load: the next admission counts instead.
+                # (A request admitted before keeps the count of its first admission, as in vLLM.)
+                request.num_cached_tokens = -1
             output.num_batched_tokens -= self._requeue(request, output)
             requeued.append(request.request_id)
+        # Their other loads arrived for nothing: the request recomputes, so no hit either side counts.
+        self.connector.loads_dropped([c for c in output.kv_transfer.loads
+                                      if c.block_id in dropped and c.block_id not in bad])
         return requeued
 
     @staticmethod
@@ -507,6 +516,7 @@ class Scheduler:
             stats.external_hits += external
             stats.hits += device + external
         self._admissions.clear()
+        self._first_admitted.clear()
 
     def _append_and_check(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
         """Append tokens until one finishes the request; tokens after it (speculative extras) are dropped."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from toolkit.scheduling import Request, RequestStatus, Scheduler, SchedulerConfig
@@ -216,6 +216,11 @@ def next_token(request: Request) -> int:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), num_blocks=st.integers(7, 16), cpu_blocks=st.sampled_from([0, 3, 12]),
        disk=st.booleans(), swap=st.booleans(), corrupt=st.sampled_from([0.0, 0.3]), budget=st.sampled_from([6, 64]))
+# A preempted request whose re-admission lost its load once kept the count of that re-admission
+# (its whole prompt) instead of its first admission's.
+@example(seed=42627, num_blocks=10, cpu_blocks=0, disk=True, swap=False, corrupt=0.3, budget=6)
+# A request dropped from its step for one failed load had its other, arrived loads counted as tier hits.
+@example(seed=23285, num_blocks=7, cpu_blocks=3, disk=True, swap=False, corrupt=0.0, budget=64)
 def test_random_traffic_with_shared_prefixes_and_tiers(seed, num_blocks, cpu_blocks, disk, swap, corrupt, budget):
     rng = random.Random(seed)
     swap = swap and cpu_blocks > 0

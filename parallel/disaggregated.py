@@ -1,8 +1,10 @@
-"""Disaggregated prefill and decode, first part (#22): the job's layout into prefill and decode
-instances, the router's choice of instances, and the data plane that moves a request's KV blocks
-from a prefill instance's caches into a decode instance's, layer by layer, TP shard by TP shard.
-
-Not wired into the engine yet: nothing here is reachable from `LLM` or the CLI (docs/architecture.md).
+"""Disaggregated prefill and decode (#22), the distributed side: the job's layout into prefill and
+decode instances and their process groups (`setup_disaggregated`), the router's choice of
+instances, the data plane that moves a request's KV blocks from a prefill instance's caches into a
+decode instance's, layer by layer, TP shard by TP shard (`send_kv`, `recv_kv`, and the KV connector
+workers `KVSender`, `KVReceiver` that carry out the step plans of scheduling/disaggregated.py), and
+the control plane (`ControlPlane`): small messages on a gloo group saying a request's KV is ready,
+that a decode instance is alive, and that it is done.
 
 Layout: the world is P prefill instances of `prefill_tp` ranks, then D decode instances of `tp`
 ranks, each instance consecutive ranks (one node's devices, as TP wants).
@@ -14,18 +16,28 @@ heads from the first prefill rank that holds it: the transfer plan (`transfer_pl
 (prefill rank, decode rank) pair, the heads that go between them, so a shard is re-split (or
 gathered) on the way and every head crosses once per decode rank that needs it.
 
+Messages: the KV of a request goes on the default group (NCCL on GPUs) with the request's own tag,
+so a decode instance may take requests in any order on gloo. NCCL ignores tags: there a pair's
+messages must be received in the order they were sent (untested here: no GPU).
+
 Leaf module: torch only (and this package's TP head rule).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from toolkit.parallel.distributed import ParallelConfigError
+from toolkit.parallel.distributed import ParallelConfigError, dist_timeout
 from toolkit.parallel.tensor_parallel import kv_heads
+
+log = logging.getLogger("toolkit")
 
 ROLES = ("prefill", "decode")
 
@@ -117,7 +129,7 @@ def transfer_plan(prefill_tp: int, decode_tp: int, num_kv_heads: int) -> list[He
 
 
 def send_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], tp_rank: int,
-            decode_ranks: range, group=None) -> list:
+            decode_ranks: range, group=None, tag: int = 0) -> list:
     """On a prefill rank: start sending the request's `blocks` of every layer to the decode ranks the
     plan names, one message per layer and route (so a layer can go while the next is written).
     Returns the (work, tensor) pairs; the tensors must stay alive until the works complete."""
@@ -126,23 +138,27 @@ def send_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadR
     for cache in kv_caches:
         for route in (r for r in routes if r.prefill_rank == tp_rank):
             part = cache.index_select(1, index)[:, :, :, route.src].contiguous()
-            sends.append((dist.isend(part, dst=decode_ranks[route.decode_rank], group=group), part))
+            sends.append((dist.isend(part, dst=decode_ranks[route.decode_rank], group=group, tag=tag), part))
     return sends
 
 
 def recv_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], tp_rank: int,
-            prefill_ranks: range, group=None) -> None:
+            prefill_ranks: range, group=None, tag: int = 0, keep: bool = True) -> int:
     """On a decode rank: receive the request's KV into its own `blocks` (as many as the sender's, in
-    the same order), layer by layer, each route's heads into their place in this rank's cache."""
+    the same order), layer by layer, each route's heads into their place in this rank's cache; with
+    `keep=False` receive as many blocks and drop them. Returns the bytes received."""
     index = torch.tensor(blocks, dtype=torch.int64, device=kv_caches[0].device)
+    received = 0
     for cache in kv_caches:
         for route in (r for r in routes if r.decode_rank == tp_rank):
             heads = route.dst.stop - route.dst.start
             part = torch.empty((2, len(blocks), cache.shape[2], heads, cache.shape[4]), dtype=cache.dtype,
                                device=cache.device)
-            dist.recv(part, src=prefill_ranks[route.prefill_rank], group=group)
-            view = cache[:, :, :, route.dst]
-            view.index_copy_(1, index, part)
+            dist.recv(part, src=prefill_ranks[route.prefill_rank], group=group, tag=tag)
+            received += part.numel() * part.element_size()
+            if keep:
+                cache[:, :, :, route.dst].index_copy_(1, index, part)
+    return received
 
 
 def route_requests(prompt_lens: list[int], max_tokens: list[int], layout: DisaggLayout) -> list[tuple[int, int]]:
@@ -159,3 +175,301 @@ def route_requests(prompt_lens: list[int], max_tokens: list[int], layout: Disagg
         promised[d] += prompt + new
         out.append((p, d))
     return out
+
+
+class Router:
+    """`route_requests` one request at a time (requests arrive as the engine is fed): the same answer
+    on every rank, since every rank sees the same requests in the same order."""
+
+    def __init__(self, layout: DisaggLayout):
+        self.pending = [0] * layout.prefill_instances
+        self.promised = [0] * layout.decode_instances
+
+    def route(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
+        p = min(range(len(self.pending)), key=lambda i: (self.pending[i], i))
+        d = min(range(len(self.promised)), key=lambda i: (self.promised[i], i))
+        self.pending[p] += prompt_len
+        self.promised[d] += prompt_len + max_tokens
+        return p, d
+
+
+# --- process groups ------------------------------------------------------------------------------
+
+
+@dataclass
+class Disaggregation:
+    """This rank's place in a disaggregated job, and the groups the roles talk over."""
+
+    layout: DisaggLayout
+    instance: Instance
+    control_group: object  # gloo, every rank: the control plane's messages
+    instance_group: object  # gloo, this instance's ranks: a decode instance's arrivals
+    gather_group: object  # gloo, every rank, a long timeout: the outputs at the end of a call
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank - self.instance.ranks.start
+
+    @property
+    def role(self) -> str:
+        return self.instance.role
+
+    def instances(self, role: str) -> list[Instance]:
+        return [i for i in self.layout.instances if i.role == role]
+
+    def describe(self, rank: int) -> str:
+        inst = self.layout.instance_of(rank)
+        return f"rank {rank} ({inst.role} instance {inst.index}, TP rank {rank - inst.ranks.start} of {inst.tp})"
+
+
+def setup_disaggregated(layout: DisaggLayout, device, model_config):
+    """Join the process group as one rank of `layout` (checked against the world, and each role's TP
+    size against the model, before anything is waited for); returns (ParallelState of this rank's
+    instance: a (1, 1, tp) mesh of its ranks, Disaggregation)."""
+    from toolkit.parallel.distributed import (GATHER_TIMEOUT, MESH_DIM_NAMES, ParallelState, _init_process_group,
+                                              _log_rank0_only, launched_world_size, local_device)
+    from toolkit.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = launched_world_size()
+    layout.check(world)
+    for role, tp in (("prefill", layout.prefill_size), ("decode", layout.decode_tp)):
+        try:
+            check_tensor_parallel(model_config, tp)
+        except ParallelConfigError as e:
+            raise ParallelConfigError(f"{role} instances: {e}") from None
+    device = local_device(device)
+    _init_process_group(device, world)
+    rank = dist.get_rank()
+    mine = layout.instance_of(rank)
+    mesh = instance_group = None
+    # Every rank takes part in creating every instance's groups, in the same order.
+    for inst in layout.instances:
+        m = DeviceMesh(device.type, torch.tensor(list(inst.ranks)).view(1, 1, inst.tp), mesh_dim_names=MESH_DIM_NAMES)
+        g = dist.new_group(list(inst.ranks), backend="gloo", timeout=dist_timeout())
+        if inst == mine:
+            mesh, instance_group = m, g
+    control = dist.new_group(backend="gloo", timeout=dist_timeout())
+    gather = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
+    _log_rank0_only()
+    tp = TensorParallel(mesh["tp"], model_config, device) if mine.tp > 1 else None
+    state = ParallelState(mesh, device, tp, None)
+    log.info("disaggregated: %d prefill instance(s) x %d ranks + %d decode instance(s) x %d ranks, backend %s",
+             layout.prefill_instances, layout.prefill_size, layout.decode_instances, layout.decode_tp,
+             dist.get_backend())
+    return state, Disaggregation(layout, mine, control, instance_group, gather)
+
+
+# --- the control plane ---------------------------------------------------------------------------
+
+
+class SendWaiter:
+    """Gloo's point-to-point works never say they are complete until someone waits on them, and a
+    send completes only when the peer receives it: one thread waits on them, in order, so the step
+    loop can poll (`done`) and free what a completed send read."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-send-wait")
+
+    def watch(self, work) -> Future:
+        return self._pool.submit(work.wait)
+
+
+READY, HEARTBEAT, DONE = 1, 2, 3  # message kinds: [kind, a, b] in one int64 tensor
+HEARTBEAT_S = 2.0
+
+
+class ControlPlane:
+    """Small messages on the control group, each [kind, a, b]:
+    - READY (prefill instance's first rank -> decode instance's first rank): request `a`'s prompt
+      KV is being sent (b = 1), or the prefill side failed it (b = 0: the decode side computes it);
+    - HEARTBEAT and DONE (decode instance's first rank -> global rank 0, which returns the outputs):
+      still working, at most every HEARTBEAT_S; done with every request routed to it so far.
+    A receive is posted ahead for each peer that still owes a message, and polled."""
+
+    def __init__(self, disagg: Disaggregation, waiter: SendWaiter):
+        self.disagg = disagg
+        self.group = disagg.control_group
+        self.waiter = waiter
+        self._recvs: dict[int, tuple] = {}  # source rank -> (work, buffer)
+        self._sends: deque = deque()  # (future, message)
+        self._last_heartbeat = 0.0
+
+    def send(self, dst: int, kind: int, a: int = 0, b: int = 0) -> None:
+        while self._sends and self._sends[0][0].done():
+            self._sends.popleft()[0].result()
+        message = torch.tensor([kind, a, b], dtype=torch.int64)
+        self._sends.append((self.waiter.watch(dist.isend(message, dst=dst, group=self.group)), message))
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat >= HEARTBEAT_S:
+            self._last_heartbeat = now
+            self.send(0, HEARTBEAT)
+
+    def receive(self, sources: dict[int, int]) -> list[tuple[int, int, int, int]]:
+        """Messages that have arrived, as (source, kind, a, b), from the sources that still owe some
+        (`sources`: rank -> messages still owed; a receive stays posted for each owed one)."""
+        got = []
+        for src, owed in sources.items():
+            while owed > 0:
+                work, buf = self._recvs.get(src) or self._post(src)
+                if buf[0].item() == 0:  # no kind yet: not arrived (gloo's work says so only once waited on)
+                    break
+                work.wait()  # the rest of the message, if still on its way
+                del self._recvs[src]
+                kind, a, b = buf.tolist()
+                got.append((src, kind, a, b))
+                if kind != HEARTBEAT:
+                    owed -= 1
+        return got
+
+    def _post(self, src: int) -> tuple:
+        buf = torch.zeros(3, dtype=torch.int64)
+        self._recvs[src] = (dist.irecv(buf, src=src, group=self.group), buf)
+        return self._recvs[src]
+
+    def flush(self) -> None:
+        """Wait for this rank's own messages to be taken (before the process group may go)."""
+        while self._sends:
+            self._sends.popleft()[0].result()
+
+
+# --- the KV connector workers ---------------------------------------------------------------------
+
+
+@dataclass
+class TransferStats:
+    """One side's KV traffic since start: transfers, bytes, and (receiving side) the seconds each
+    receive took; a sender's sends complete when the receiver takes them."""
+
+    transfers: int = 0
+    bytes: int = 0
+    seconds: list[float] = field(default_factory=list)
+    dropped: int = 0
+
+    def as_dict(self) -> dict:
+        s = sorted(self.seconds)
+        pct = (lambda q: s[min(len(s) - 1, int(q * len(s)))] if s else None)  # noqa: E731
+        total = sum(s)
+        return {"transfers": self.transfers, "bytes": self.bytes, "dropped": self.dropped,
+                "seconds_total": total, "seconds_p50": pct(0.5), "seconds_p99": pct(0.99),
+                "bandwidth_gbps": self.bytes / total / 1e9 if total else None}
+
+
+class _KVWorker:
+    """What both sides share: the caches, the head routes, and a request's tag."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], disagg: Disaggregation, num_kv_heads: int,
+                 peers_of, tag_of, waiter: SendWaiter | None = None):
+        self.kv_caches = kv_caches
+        self.disagg = disagg
+        self.routes = transfer_plan(disagg.layout.prefill_size, disagg.layout.decode_tp, num_kv_heads)
+        self.peers_of = peers_of  # request id -> the other side's instance (its ranks)
+        self.tag_of = tag_of  # request id -> its tag
+        self.waiter = waiter
+        self.stats = TransferStats()
+
+    @staticmethod
+    def by_request(copies) -> dict[str, list[int]]:
+        out: dict[str, list] = {}
+        for c in copies:
+            if c.tier == "remote":
+                out.setdefault(c.key, []).append(c)
+        return {key: [c.block_id for c in sorted(cs, key=lambda c: c.slot)] for key, cs in out.items()}
+
+    # The parts of the contract a side does not use.
+    def wait_for_save(self) -> None:
+        pass
+
+    def start_load_kv(self, plan) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        pass
+
+    def get_finished(self) -> list:
+        return []
+
+
+class KVSender(_KVWorker):
+    """A prefill rank: each finished request's blocks, layer by layer, to the decode ranks that take
+    its heads (isend: the copy goes while the next step computes). The staged copies are what the
+    sends read, so the blocks themselves are free again after the step's saves."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._inflight: deque = deque()  # (work, tensor, request id, peer rank, posted at)
+        self._last_done = time.monotonic()
+
+    def save_kv_layer(self, layer: int, plan) -> None:
+        cache = self.kv_caches[layer]
+        for rid, blocks in self.by_request(plan.saves).items():
+            if layer == 0:
+                self.stats.transfers += 1
+            index = torch.tensor(blocks, dtype=torch.int64, device=cache.device)
+            peer = self.peers_of(rid)
+            for route in (r for r in self.routes if r.prefill_rank == self.disagg.tp_rank):
+                part = cache.index_select(1, index)[:, :, :, route.src].contiguous()
+                dst = peer.ranks[route.decode_rank]
+                work = self.waiter.watch(dist.isend(part, dst=dst, tag=self.tag_of(rid)))
+                self._inflight.append((work, part, rid, dst, time.monotonic()))
+                self.stats.bytes += part.numel() * part.element_size()
+
+    def poll(self) -> int:
+        """Retire the sends the decode side has taken; returns how many are still pending. A send
+        that nothing takes for the collective timeout while this rank has nothing else to do fails
+        (`stalled`)."""
+        while self._inflight and self._inflight[0][0].done():
+            work, _, rid, dst, _ = self._inflight.popleft()
+            try:
+                work.result()
+            except (RuntimeError, dist.DistError) as exc:
+                raise RuntimeError(f"{self.disagg.describe(self.disagg.rank)}: sending request {rid}'s KV to "
+                                   f"{self.disagg.describe(dst)} failed: {exc}") from exc
+            self._last_done = time.monotonic()
+        return len(self._inflight)
+
+    def stalled(self) -> None:
+        if not self._inflight:
+            self._last_done = time.monotonic()
+            return
+        waited = time.monotonic() - max(self._last_done, self._inflight[0][4])
+        if waited > dist_timeout().total_seconds():
+            _, _, rid, dst, _ = self._inflight[0]
+            raise RuntimeError(f"{self.disagg.describe(self.disagg.rank)}: request {rid}'s KV has waited "
+                               f"{waited:.0f} s for {self.disagg.describe(dst)} to receive it, with nothing "
+                               "else sent meanwhile (the collective timeout): that rank is hung or dead")
+
+
+class KVReceiver(_KVWorker):
+    """A decode rank: each admitted request's KV into the blocks the scheduler gave it, before the
+    step's forward; a request that ended before its KV was loaded has it received and dropped."""
+
+    def save_kv_layer(self, layer: int, plan) -> None:
+        pass
+
+    def start_load_kv(self, plan) -> None:
+        for rid, blocks in self.by_request(plan.loads).items():
+            self._receive(rid, blocks, keep=True)
+        for copy in (c for c in plan.deletes if c.tier == "remote"):
+            self._receive(copy.key, list(range(copy.slot)), keep=False)
+            self.stats.dropped += 1
+
+    def _receive(self, rid: str, blocks: list[int], keep: bool) -> None:
+        peer = self.peers_of(rid)
+        start = time.perf_counter()
+        try:
+            received = recv_kv(self.kv_caches, blocks, self.routes, self.disagg.tp_rank, peer.ranks,
+                               tag=self.tag_of(rid), keep=keep)
+        except (RuntimeError, dist.DistError) as exc:
+            raise RuntimeError(f"{self.disagg.describe(self.disagg.rank)}: receiving request {rid}'s KV from prefill "
+                               f"instance {peer.index} (ranks {list(peer.ranks)}) failed: {exc}") from exc
+        if keep:
+            self.stats.transfers += 1
+            self.stats.bytes += received
+            self.stats.seconds.append(time.perf_counter() - start)

@@ -153,11 +153,13 @@ class TieredKVConnector(KVConnectorScheduler):
         self.tier_stats.swapped_out += 1
         return True
 
-    def swapped_tokens(self, request_id: str) -> int:
+    def held_tokens(self, request_id: str) -> int:
+        """A swapped-out request's computed tokens (0 for any other)."""
         entry = self._swapped.get(request_id)
         return entry[1] if entry else 0
 
-    def swap_in(self, request: Request, block_ids: list[int]) -> None:
+    def load_held(self, request: Request, block_ids: list[int]) -> None:
+        """Swap a preempted request back in."""
         slots, _ = self._swapped.pop(request.request_id)
         rid = request.request_id
         self._plan.loads += [BlockCopy(b, "cpu", f"swap:{rid}:{i}", s) for i, (b, s) in enumerate(zip(block_ids, slots))]

@@ -80,5 +80,15 @@ class KVConnectorScheduler(ABC):
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
         """The request ended; its blocks are freed after this call."""
 
+    def held_tokens(self, request_id: str) -> int:
+        """Tokens of the request's own KV that the connector holds outside the device (its blocks
+        swapped out, or its prompt prefilled by another instance): admitting it loads them instead
+        of computing them. 0 when it holds none."""
+        return 0
+
+    def load_held(self, request: Request, block_ids: list[int]) -> None:
+        """The scheduler gave these device blocks to the held KV (held_tokens' worth): plan its loads."""
+        raise NotImplementedError(f"{type(self).__name__} holds no request's KV")
+
     def stats(self) -> dict:
         return {}

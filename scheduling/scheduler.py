@@ -383,42 +383,46 @@ class Scheduler:
                       request.num_prompt_tokens // self.config.block_size]
 
     def _next_block_in_flight(self, request: Request, in_flight: set) -> bool:
-        if request.wants_prompt_logits or (self.config.preemption_mode == "swap"
-                                           and self.connector.swapped_tokens(request.request_id)):
+        if request.wants_prompt_logits or self._held_tokens(request):
             return False  # it reads no cached block, so it gains nothing by waiting for one
         hit = len(self.kv_cache.cached_prefix(request))
         return hit < self.kv_cache.max_cached_blocks(request) and self.kv_cache.block_hashes(request)[hit] in in_flight
 
     def _admit(self, request: Request, budget: int) -> tuple[list[int], int] | None:
         """(block table, tokens to compute) for a waiting request, starting after whatever of it is
-        already somewhere: swapped-out KV, or its longest cached prefix on the device or in the
+        already somewhere: its own KV held by the connector (swapped out, or prefilled by another
+        instance), or its longest cached prefix on the device or in the
         connector's tiers. None (taking nothing) when the blocks are short."""
-        swapped = self.connector.swapped_tokens(request.request_id) if self.config.preemption_mode == "swap" else 0
+        held = self._held_tokens(request)
         cached, num_external, hashes = [], 0, []
-        if not swapped and self.config.enable_prefix_caching and not request.wants_prompt_logits:
+        if not held and self.config.enable_prefix_caching and not request.wants_prompt_logits:
             cached = self.kv_cache.cached_prefix(request)
             if self.connector is not None:
                 hashes = self.kv_cache.block_hashes(request)[len(cached):self.kv_cache.max_cached_blocks(request)]
                 num_external = self.connector.num_matched_blocks(request, hashes)
-        found = swapped or (len(cached) + num_external) * self.config.block_size
+        found = held or (len(cached) + num_external) * self.config.block_size
         request.num_computed_tokens = found
         num_new = min(request.num_tokens - found, budget)
         block_table, _ = self._allocate(request, num_new, cached=cached)
         if block_table is None:
             request.num_computed_tokens = 0
             return None
-        if swapped:
-            self.connector.swap_in(request, block_table[:self.kv_cache.num_blocks_for(swapped)])
+        if held:
+            self.connector.load_held(request, block_table[:self.kv_cache.num_blocks_for(held)])
         elif num_external:
             self.connector.blocks_allocated(request, block_table[len(cached):len(cached) + num_external],
                                             hashes[:num_external])
-        if not swapped and not request.wants_prompt_logits:
+        if not held and not request.wants_prompt_logits:
             self._admissions[request.request_id] = (request.num_tokens, len(cached) * self.config.block_size,
                                                     num_external * self.config.block_size)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = found
             self._first_admitted.add(request.request_id)
         return block_table, num_new
+
+    def _held_tokens(self, request: Request) -> int:
+        """Tokens of the request's own KV a connector holds (swapped out, or prefilled elsewhere)."""
+        return self.connector.held_tokens(request.request_id) if self.connector is not None else 0
 
     def pending_transfers(self) -> KVTransferPlan | None:
         """Transfers planned since the last schedule() (blocks named by the last update, to be written

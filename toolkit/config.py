@@ -100,6 +100,12 @@ class EngineConfig:
     # vLLM's: MoE layers' experts split over all tp x dp ranks (all-to-all dispatch) instead of each
     # expert split tp ways; attention stays tensor/data parallel (parallel/expert_parallel.py).
     enable_expert_parallel: bool = False
+    # Disaggregated prefill and decode (toolkit/disaggregated.py): this many prefill instances and decode
+    # instances, each of tensor_parallel_size ranks (prefill ones of prefill_tensor_parallel_size, when
+    # set); world = P x prefill tp + D x tp. 0 and 0: every rank both prefills and decodes.
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    prefill_tensor_parallel_size: int | None = None
     load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
     compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
     cuda_graphs: bool = True  # on CUDA with the Triton backend, replay captured graphs for decode-only steps
@@ -144,6 +150,7 @@ class EngineConfig:
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_pipeline()
+        self._check_disaggregated()
         if self.cpu_linear not in envs.CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(envs.CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
 
@@ -178,6 +185,39 @@ class EngineConfig:
         if unsupported:
             raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} does not combine with "
                              f"{', '.join(unsupported)} yet: drop it, or run without pipeline parallelism")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_instances > 0
+
+    def _check_disaggregated(self) -> None:
+        """Instance counts, and what disaggregation does not combine with yet, before anything loads."""
+        for name in ("prefill_instances", "decode_instances"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        ptp = self.prefill_tensor_parallel_size
+        if ptp is not None and (not isinstance(ptp, numbers.Integral) or isinstance(ptp, bool) or ptp < 1):
+            raise ValueError(f"prefill_tensor_parallel_size must be an integer >= 1, got {ptp!r}")
+        if (self.prefill_instances > 0) != (self.decode_instances > 0):
+            raise ValueError(f"prefill_instances {self.prefill_instances} and decode_instances {self.decode_instances}: "
+                             "disaggregation needs at least one of each (or 0 and 0 to colocate)")
+        if not self.disaggregated:
+            if ptp is not None:
+                raise ValueError("prefill_tensor_parallel_size needs prefill_instances and decode_instances")
+            return
+        # Each runs its own ranks or moves KV outside the prefill -> decode handoff, which would need
+        # the handoff to know about it; the instances are the replicas here.
+        unsupported = [name for name, on in (
+            ("data_parallel_size", self.data_parallel_size > 1),
+            ("pipeline_parallel_size", self.pipeline_parallel_size > 1),
+            ("speculative_config", self.speculative_config is not None),
+            ("kv_offloading_size", self.kv_offloading_size is not None),
+            ("kv_disk_cache_dir", self.kv_disk_cache_dir is not None),
+            ("enable_expert_parallel", self.enable_expert_parallel)) if on]
+        if unsupported:
+            raise ValueError(f"disaggregated prefill/decode does not combine with {', '.join(unsupported)} yet: "
+                             "drop it, or run colocated (prefill_instances=0, decode_instances=0)")
 
     def _check_kv_hierarchy(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_cache_size"):

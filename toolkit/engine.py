@@ -86,11 +86,21 @@ class Engine:
         check_device(config)
         self.model_config: ModelConfig = _load_model_config(config)
         mc = self.model_config
-        # Joins the process group when tp * dp * pp > 1; checks the sizes against the world, the heads and
-        # the layers first.
-        self.parallel = setup_parallel(config.tensor_parallel_size, config.data_parallel_size, config.device, mc,
-                                       expert_parallel=config.enable_expert_parallel,
-                                       pp=config.pipeline_parallel_size, pp_layer_partition=config.pp_layer_partition)
+        # Joins the process group when tp * dp * pp > 1 (or as one instance of a disaggregated job); checks
+        # the sizes against the world, the heads and the layers first.
+        disagg = None
+        if config.disaggregated:
+            from toolkit.parallel.disaggregated import DisaggLayout, setup_disaggregated
+
+            layout = DisaggLayout(config.prefill_instances, config.decode_instances, config.tensor_parallel_size,
+                                  config.prefill_tensor_parallel_size)
+            self.parallel, disagg = setup_disaggregated(layout, config.device, mc)
+            config = dataclasses.replace(config, tensor_parallel_size=disagg.instance.tp)
+        else:
+            self.parallel = setup_parallel(config.tensor_parallel_size, config.data_parallel_size, config.device, mc,
+                                           expert_parallel=config.enable_expert_parallel,
+                                           pp=config.pipeline_parallel_size,
+                                           pp_layer_partition=config.pp_layer_partition)
         self.tp = self.parallel.tp if self.parallel is not None else None
         # Pipeline parallelism: this rank's stage; up to pp step plans in flight (_step_pipelined).
         self.pp = self.parallel.pp if self.parallel is not None else None
@@ -125,6 +135,14 @@ class Engine:
         # CPU and disk tiers below the device cache (None when none is configured or none could be had).
         self.kv_tiers = build_kv_hierarchy(config, mc, self.runner.kv_caches, kv.bytes_per_token * kv.block_size,
                                            self.tp)
+        # Disaggregated prefill/decode (toolkit/disaggregated.py): this instance's role, and its KV connector.
+        self.disagg = None
+        if disagg is not None:
+            from toolkit.disaggregated import build_role
+
+            self.disagg = build_role(disagg, config.block_size, self.runner.kv_caches, mc.num_kv_heads)
+        # What carries out each step's plan of block copies, and the connector that plans them.
+        self._kv_mover = self.kv_tiers or self.disagg
         preemption = config.preemption_mode
         if preemption == "swap" and (self.kv_tiers is None or not self.kv_tiers.connector.cpu_blocks):
             log.warning("preemption_mode='swap' has no CPU tier to swap to; preempting by recompute")
@@ -142,7 +160,7 @@ class Engine:
                 preemption_mode=preemption,
                 max_plans_in_flight=config.pipeline_parallel_size,
             ),
-            self.kv_tiers.connector if self.kv_tiers else None,
+            self._kv_mover.connector if self._kv_mover else None,
         )
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, _Group] = {}
@@ -160,6 +178,8 @@ class Engine:
             stats["expert_parallel"] = self._ep_stats()
         if self.pp is not None:
             stats["pipeline"] = self.pp.report()
+        if self.disagg is not None:
+            stats["disaggregated"] = self.disagg.stats()
         if self.speculator is not None:
             stats["spec_decode"] = self.speculator.stats.as_dict()
             draft = stats["draft_runner"] = self.speculator.runner_stats()
@@ -188,8 +208,8 @@ class Engine:
                    Counter("toolkit:prefix_cache_queries", value=prefix.queries),
                    Counter("toolkit:prefix_cache_hits", value=prefix.hits),
                    Counter("toolkit:prefix_cache_hits_tier", {"tier": "device"}, prefix.device_hits)]
-        if self.kv_tiers is not None:
-            metrics += self.kv_tiers.metrics()
+        if self._kv_mover is not None:
+            metrics += self._kv_mover.metrics()
         if self.speculator is not None:
             metrics += self.speculator.stats.metrics()
         metrics += self._moe_metrics(Counter)
@@ -281,6 +301,15 @@ class Engine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt of request {request_id!r} must be a string, got {type(cache_salt).__name__}")
         self.validate_prompt(prompt_token_ids, f"prompt of request {request_id!r}")
+        if self.disagg is not None:  # every rank is fed every request; the role keeps its own
+            self.disagg.add_request(self, request_id, prompt_token_ids, params, prompt, priority, arrival_time,
+                                    cache_salt)
+            return
+        self._add_request(request_id, prompt_token_ids, params, prompt, priority, arrival_time, cache_salt)
+
+    def _add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     prompt: str | None, priority: int, arrival_time: float | None, cache_salt: str | None) -> None:
+        """A checked request into this engine's scheduler (as its n sequences)."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt, list(prompt_token_ids), RequestMetrics(arrival_time=arrival))
         if params.prompt_logprobs is not None:
@@ -328,6 +357,8 @@ class Engine:
         dp > 1) it is whether ANY replica still has some, agreed by every rank in one collective, so
         every replica's loop `while engine.has_unfinished(): engine.step()` runs the same steps and ends
         at the same one: there it must be called once per step, on every rank."""
+        if self.disagg is not None:
+            return self.disagg.has_unfinished(self)
         if self._lockstep is None:
             busy = bool(self._groups)
             if not busy and self.pp is not None:
@@ -345,6 +376,8 @@ class Engine:
         rank enters each MoE layer's all-to-all once per step (vLLM's dummy batch)."""
         if self.pp is not None:
             return self._step_pipelined()
+        if self.disagg is not None:
+            return self.disagg.step(self)
         if self._lockstep is None:
             return self._step()
         forwards = self.runner.num_forwards
@@ -505,7 +538,7 @@ class Engine:
         because a load failed (they go back to waiting and recompute)."""
         if not plan.kv_transfer:
             return []
-        failed = self.kv_tiers.transfer(plan.kv_transfer)
+        failed = self._kv_mover.transfer(plan.kv_transfer)
         requeued = self.scheduler.transfers_failed(plan, failed) if failed else []
         if self.speculator is not None and requeued:
             self.speculator.forget(requeued)

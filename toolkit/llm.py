@@ -93,6 +93,8 @@ class LLM:
                 self.engine.add_request(rid, token_ids, params[i], prompt=text,
                                         priority=priority[i] if priority else 0, cache_salt=salt)
                 ids.append(rid)
+            if self.engine.disagg is not None:
+                return self._finish_disaggregated(list(self._run(len(ids), False)), ids)
             results = {out.request_id: out for out in self._run(len(ids), use_tqdm and is_main_process())}
         except BaseException:
             # Ctrl-C (or a fault that ends the call): nothing of this call stays in the engine to
@@ -102,6 +104,14 @@ class LLM:
             raise
         self._log_pipeline_idle()
         return gather_outputs(state, mine, [results[rid] for rid in ids], len(prompts))
+
+    def _finish_disaggregated(self, outputs: list[RequestOutput], ids: list[str]) -> list[RequestOutput]:
+        """Every decode instance's outputs on global rank 0, in input order, once all are done."""
+        from toolkit.disaggregated import gather_outputs as gather_decoded
+
+        role = self.engine.disagg
+        role.finish_call(self.engine)
+        return gather_decoded(role.disagg, outputs, ids)
 
     def _log_pipeline_idle(self) -> None:
         """Pipeline parallelism: how much of its time each stage has spent waiting (since the engine started)."""

@@ -1,0 +1,307 @@
+"""Disaggregated prefill and decode: what an engine does differently as a prefill or a decode
+instance. Chosen once, when the engine is built (`build_role`); the step itself is the engine's own.
+
+Every rank is fed every request, in the same order (SPMD, as under TP), and the router
+(parallel/disaggregated.py) gives each the same (prefill instance, decode instance) on every rank.
+- The prefill instance runs the prompt but its last token, with one thrown-away sampled token
+  (`PrefillRole`): after the step that ends it, its blocks' KV goes to the decode instance's ranks
+  (scheduling/disaggregated.py plans it, parallel/disaggregated.py's KVSender sends it) and the
+  decode instance's first rank is told (READY).
+- The decode instance (`DecodeRole`) adds the request when READY comes, holding that KV in its
+  connector: the scheduler allocates its blocks, the step's plan receives the KV into them, and the
+  forward computes the last prompt token and samples the first output token, with the request's own
+  sampling parameters: from there it is an ordinary request, so outputs equal the colocated engine's.
+  A request with a one-token prompt, or wanting prompt logprobs, is computed by the decode instance
+  alone; so is one the prefill side failed (READY with ok = 0).
+- At the end of a `generate` call the decode instances' outputs are gathered on global rank 0, which
+  first waits for every decode instance's DONE (their heartbeats tell a long decode from a hung one).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from toolkit.metrics import Counter, Gauge
+from toolkit.parallel.disaggregated import (DONE, READY, ControlPlane, Disaggregation, KVReceiver, KVSender, Router,
+                                            SendWaiter)
+from toolkit.parallel.distributed import dist_timeout
+from toolkit.sampling_params import SamplingParams
+from toolkit.scheduling.disaggregated import DecodeConnector, PrefillConnector
+
+log = logging.getLogger("toolkit")
+
+IDLE_SLEEP_S = 0.0005  # between polls when a role has nothing to compute (2 cores: leave gloo its turn)
+
+
+@dataclass
+class _Expected:
+    """A request a decode instance serves, until it is added to the engine."""
+
+    seq: int
+    prefill: int  # its prefill instance
+    args: tuple  # Engine._add_request's arguments
+    arrival: float
+
+
+@dataclass
+class RoleTimes:
+    """Seconds per request on this instance: waiting to be scheduled, and the role's latencies."""
+
+    queue: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {name: _percentiles(getattr(self, name)) for name in ("queue", "ttft", "tpot")}
+
+
+def _percentiles(values: list[float]) -> dict:
+    s = sorted(values)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))] if s else None  # noqa: E731
+    return {"count": len(s), "p50": pick(0.5), "p99": pick(0.99), "mean": sum(s) / len(s) if s else None}
+
+
+class _Role:
+    """What both roles share: routing every request, the KV worker, stats."""
+
+    def __init__(self, disagg: Disaggregation, block_size: int):
+        self.disagg = disagg
+        self.block_size = block_size
+        self.router = Router(disagg.layout)
+        self.waiter = SendWaiter()
+        self.control = ControlPlane(disagg, self.waiter)
+        self.times = RoleTimes()
+        self._seq = 0
+        self._tags: dict[str, int] = {}
+        self._peers: dict[str, object] = {}
+        self.worker = None  # set by the role
+
+    @property
+    def role(self) -> str:
+        return self.disagg.role
+
+    def route(self, prompt_len: int, max_tokens: int) -> tuple[int, int, int]:
+        """(seq, prefill instance, decode instance) of the next request fed to the job."""
+        p, d = self.router.route(prompt_len, max_tokens)
+        self._seq += 1
+        return self._seq, p, d
+
+    def transfer(self, plan) -> list:
+        from toolkit.attention.kv_transfer import run_transfers
+
+        return run_transfers(self.worker, plan, len(self.worker.kv_caches))
+
+    def stats(self) -> dict:
+        return {"role": self.role, "instance": self.disagg.instance.index, "tp": self.disagg.instance.tp,
+                "handoff": self.connector.stats(), "kv": self.worker.stats.as_dict(), **self.times.as_dict()}
+
+    def metrics(self) -> list:
+        labels = {"role": self.role, "instance": str(self.disagg.instance.index)}
+        kv = self.worker.stats
+        out = [Counter("toolkit:disagg_kv_transfers", labels, kv.transfers),
+               Counter("toolkit:disagg_kv_bytes", labels, kv.bytes),
+               Counter("toolkit:disagg_kv_transfer_seconds", labels, sum(kv.seconds))]
+        for name, values in (("queue", self.times.queue), ("ttft", self.times.ttft), ("tpot", self.times.tpot)):
+            if values:
+                out += [Gauge(f"toolkit:disagg_{name}_seconds_p50", labels, _percentiles(values)["p50"]),
+                        Gauge(f"toolkit:disagg_{name}_seconds_p99", labels, _percentiles(values)["p99"])]
+        return out
+
+    def _idle(self) -> None:
+        time.sleep(IDLE_SLEEP_S)
+
+    def close(self) -> None:
+        self.control.flush()
+
+
+class PrefillRole(_Role):
+    def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int):
+        super().__init__(disagg, block_size)
+        self.connector = PrefillConnector(block_size)
+        self.worker = KVSender(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__,
+                               self.waiter)
+        self._decode_first: dict[str, int] = {}
+
+    def add_request(self, engine, request_id, prompt_token_ids, params: SamplingParams, prompt, priority,
+                    arrival_time, cache_salt) -> None:
+        seq, p, d = self.route(len(prompt_token_ids), params.max_tokens or engine.max_model_len)
+        if p != self.disagg.instance.index or not _handoff(prompt_token_ids, params):
+            return
+        self._tags[request_id] = seq
+        self._peers[request_id] = self.disagg.instances("decode")[d]
+        # All but the last prompt token, one greedy token that nobody reads; it always ends by length.
+        prefill = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        engine._add_request(request_id, prompt_token_ids[:-1], prefill, None, priority, arrival_time, cache_salt)
+
+    def step(self, engine) -> list:
+        for out in engine._step():  # the handoff requests' own outputs are nobody's
+            m = out.metrics
+            self.times.queue.append((m.first_scheduled_time or m.finished_time) - m.arrival_time)
+            self.times.ttft.append(m.finished_time - m.arrival_time)  # the KV ready to send
+        self._ship(engine)
+        if not engine._groups:
+            self.worker.stalled()
+            self._idle()
+        return []
+
+    def _ship(self, engine) -> None:
+        """Send the KV of the requests that just ended (their blocks are still whole: no forward ran
+        since), then tell their decode instances."""
+        plan = engine.scheduler.pending_transfers()
+        if plan:
+            self.transfer(plan)
+        for rid, ok in self.connector.take_outcomes():
+            peer = self._peers.pop(rid)
+            tag = self._tags.pop(rid)
+            if self.disagg.tp_rank == 0:
+                self.control.send(peer.ranks[0], READY, tag, int(ok))
+        self.worker.poll()
+
+    def has_unfinished(self, engine) -> bool:
+        return bool(engine._groups) or self.worker.poll() > 0
+
+    def finish_call(self, engine) -> None:
+        """Global rank 0 waits for every decode instance's DONE before the outputs' gather."""
+        if self.disagg.rank != 0:
+            return
+        decoders = {inst.ranks[0]: 1 for inst in self.disagg.instances("decode")}
+        last = time.monotonic()
+        while decoders:
+            got = self.control.receive(decoders)
+            for src, kind, _, _ in got:
+                if kind == DONE:
+                    del decoders[src]
+            if got:
+                last = time.monotonic()
+            elif time.monotonic() - last > dist_timeout().total_seconds():
+                names = ", ".join(self.disagg.describe(r) for r in decoders)
+                raise RuntimeError(f"{self.disagg.describe(0)}: no word from {names} for "
+                                   f"{time.monotonic() - last:.0f} s (the collective timeout): hung or dead")
+            else:
+                self._idle()
+
+
+class DecodeRole(_Role):
+    def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int):
+        super().__init__(disagg, block_size)
+        self.connector = DecodeConnector(block_size)
+        self.worker = KVReceiver(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__)
+        self._expected: dict[int, _Expected] = {}  # seq -> request awaiting its prefill
+        self._owed: dict[int, int] = {}  # prefill instance -> READY messages still owed to this instance
+        self._last_word = time.monotonic()
+        self._kv_ready: dict[str, float] = {}  # request id -> when READY came
+
+    def add_request(self, engine, request_id, prompt_token_ids, params: SamplingParams, prompt, priority,
+                    arrival_time, cache_salt) -> None:
+        seq, p, d = self.route(len(prompt_token_ids), params.max_tokens or engine.max_model_len)
+        if d != self.disagg.instance.index:
+            return
+        args = (request_id, prompt_token_ids, params, prompt, priority, arrival_time, cache_salt)
+        if not _handoff(prompt_token_ids, params):
+            engine._add_request(*args)  # computed here alone
+            return
+        self._expected[seq] = _Expected(seq, p, args, time.monotonic())
+        self._owed[p] = self._owed.get(p, 0) + 1
+        self._last_word = time.monotonic()
+
+    def step(self, engine) -> list:
+        self._take_arrivals(engine)
+        finished = engine._step()
+        for out in finished:
+            m = out.metrics
+            ready = self._kv_ready.pop(out.request_id, m.arrival_time)
+            self.times.queue.append((m.first_scheduled_time or m.finished_time) - ready)
+            if m.first_token_time is not None:
+                self.times.ttft.append(m.first_token_time - m.arrival_time)
+                tokens = max(len(c.token_ids) for c in out.outputs)
+                if tokens > 1:
+                    self.times.tpot.append((m.finished_time - m.first_token_time) / (tokens - 1))
+        if self.disagg.tp_rank == 0:
+            self.control.heartbeat()
+        if not engine._groups:
+            if self._expected:
+                self._check_alive()
+            self._idle()
+        return finished
+
+    def _take_arrivals(self, engine) -> None:
+        """READY messages (polled on the instance's first rank, the same list broadcast to its other
+        ranks so every scheduler adds the same requests at the same step)."""
+        if not self._expected:
+            return
+        arrivals = None
+        if self.disagg.tp_rank == 0:
+            sources = {self.disagg.instances("prefill")[p].ranks[0]: n for p, n in self._owed.items() if n}
+            arrivals = [(a, b) for _, kind, a, b in self.control.receive(sources) if kind == READY]
+        if self.disagg.instance.tp > 1:
+            box = [arrivals]
+            dist.broadcast_object_list(box, src=self.disagg.instance.ranks[0], group=self.disagg.instance_group)
+            arrivals = box[0]
+        for seq, ok in arrivals:
+            self._arrive(engine, self._expected.pop(seq), bool(ok))
+
+    def _arrive(self, engine, expected: _Expected, ok: bool) -> None:
+        self._last_word = time.monotonic()
+        self._owed[expected.prefill] -= 1
+        rid, prompt_token_ids, params, *_ = expected.args
+        engine._add_request(*expected.args)
+        engine._groups[rid].metrics.arrival_time = expected.arrival  # TTFT counts from the request's arrival
+        self._kv_ready[rid] = time.monotonic()
+        if not ok:
+            log.warning("request %s: its prefill instance failed it; the decode instance computes its prompt", rid)
+            return
+        holder = rid if params.n == 1 else f"{rid}#0"  # the first sequence loads the KV; others share or compute
+        self._tags[holder] = expected.seq
+        self._peers[holder] = self.disagg.instances("prefill")[expected.prefill]
+        request = engine.scheduler._requests.get(holder)
+        if request is None:  # rejected at once (it cannot fit this cache): the message is still taken
+            self.connector.discard(holder, len(prompt_token_ids) - 1)
+        else:
+            self.connector.arrived(holder, len(prompt_token_ids) - 1)
+
+    def _check_alive(self) -> None:
+        waited = time.monotonic() - self._last_word
+        if waited > dist_timeout().total_seconds():
+            owing = [self.disagg.instances("prefill")[p] for p, n in self._owed.items() if n]
+            names = ", ".join(self.disagg.describe(i.ranks[0]) for i in owing)
+            raise RuntimeError(f"{self.disagg.describe(self.disagg.rank)}: {len(self._expected)} request(s) still "
+                               f"await their prefill from {names}, silent for {waited:.0f} s (the collective "
+                               "timeout): hung or dead")
+
+    def has_unfinished(self, engine) -> bool:
+        if engine._groups or self._expected:
+            return True
+        plan = engine.scheduler.pending_transfers()  # drops of requests that ended before their KV loaded
+        if plan:
+            self.transfer(plan)
+        return False
+
+    def finish_call(self, engine) -> None:
+        if self.disagg.tp_rank == 0:
+            self.control.send(0, DONE)
+
+
+def _handoff(prompt_token_ids: list[int], params: SamplingParams) -> bool:
+    """Whether the prefill instance computes the request's prompt: not for a one-token prompt (nothing
+    to hand over) nor for one that wants prompt logprobs (they are computed with the prompt)."""
+    return len(prompt_token_ids) > 1 and params.prompt_logprobs is None
+
+
+def build_role(disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int) -> _Role:
+    cls = PrefillRole if disagg.role == "prefill" else DecodeRole
+    return cls(disagg, block_size, kv_caches, num_kv_heads)
+
+
+def gather_outputs(disagg: Disaggregation, outputs: list, total_ids: list[str]) -> list:
+    """The decode instances' outputs on global rank 0 in `total_ids` order; [] on every other rank."""
+    mine = outputs if disagg.role == "decode" and disagg.tp_rank == 0 else None
+    parts = [None] * dist.get_world_size() if disagg.rank == 0 else None
+    dist.gather_object(mine, parts, dst=0, group=disagg.gather_group)
+    if disagg.rank != 0:
+        return []
+    by_id = {out.request_id: out for part in parts if part for out in part}
+    return [by_id[rid] for rid in total_ids]

@@ -97,6 +97,7 @@ class _Role:
 
     def stats(self) -> dict:
         return {"role": self.role, "instance": self.disagg.instance.index, "tp": self.disagg.instance.tp,
+                "tp_rank": self.disagg.tp_rank,
                 "handoff": self.connector.stats(), "kv": self.worker.stats.as_dict(), **self.times.as_dict()}
 
     def metrics(self) -> list:

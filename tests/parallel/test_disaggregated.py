@@ -1,19 +1,37 @@
-"""Disaggregated prefill/decode, first part (#22): the layout, the router and the KV data plane.
+"""Disaggregated prefill/decode (#22): the layout, the router, the KV data plane, and the engine's
+disaggregated mode against the colocated single process.
 
-The data plane under a real torchrun launch (3 processes, gloo): a request's KV blocks go from
-prefill caches into a decode cache's other blocks, re-split when the TP sizes differ (tp=2 into 1,
-1 into 2) and from two prefill instances into one decode instance; every value encodes where it
-was written, so the decode side checks each entry it got against the one the prefill side wrote,
-and that no other block changed (tests/parallel/disagg_worker.py).
+- The data plane under a real torchrun launch (3 processes, gloo): a request's KV blocks go from
+  prefill caches into a decode cache's other blocks, re-split when the TP sizes differ (tp=2 into 1,
+  1 into 2) and from two prefill instances into one decode instance; every value encodes where it
+  was written, so the decode side checks each entry it got against the one the prefill side wrote,
+  and that no other block changed (tests/parallel/disagg_worker.py).
+- The engine (tests/parallel/disagg_engine_worker.py), one launch of 3 processes running four
+  layouts in turn: 1 prefill (tp=2) + 1 decode (tp=1), 1 prefill + 1 decode (tp=2), 1 + 2 and 2 + 1,
+  for two families (llama3: GQA, RoPE scaling; tied_mqa: tied embeddings, one kv head, which TP
+  copies), with chunked prefill (a 16-token budget) and a one-token prompt (computed by the decode
+  instance alone): greedy tokens equal the single process's (which equal transformers'), seeded
+  sampling (n=2, logprobs) equals the single process's, and afterwards every KV block on every rank
+  is free and no request is left.
+- 1 prefill + 1 decode as two "hosts" in two network namespaces joined by a veth pair.
+- A decode rank that hangs: global rank 0 ends the job within the collective timeout, naming it and
+  its role; a prefill rank that hangs: the decode instance does, naming it.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import uuid
+from types import SimpleNamespace
 
 import pytest
 
-from tests.parallel.test_parallel import REPO, output_tail, read_reports, torchrun
+from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
+from tests.parallel.test_parallel import REPO, command, free_port, output_tail, read_reports, single_process, torchrun
+from tests.parallel.worker import sampled_report
+from toolkit import SamplingParams
 from toolkit.parallel import ParallelConfigError
 from toolkit.parallel.disaggregated import DisaggLayout, HeadRoute, route_requests, transfer_plan
 from toolkit.parallel.tensor_parallel import kv_heads
@@ -65,3 +83,79 @@ def test_kv_blocks_move_between_instances_resplit_across_tp_sizes(tmp_path):
     assert [r["errors"] for r in reports] == [[], [], []]
     # Rank 1 decodes in the second layout (2 head counts), rank 2 in all three (3 x 2).
     assert [r["checked"] for r in reports] == [0, 2, 6], json.dumps(reports)
+
+
+ENGINE_WORKER = REPO / "tests" / "parallel" / "disagg_engine_worker.py"
+FAMILIES = ("llama3", "tied_mqa")
+NEW_TOKENS = 10
+SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7, n=2, logprobs=2, max_tokens=6)
+LAYOUTS = [dict(prefill_instances=1, decode_instances=1, prefill_tensor_parallel_size=2),
+           dict(prefill_instances=1, decode_instances=1, tensor_parallel_size=2, prefill_tensor_parallel_size=1),
+           dict(prefill_instances=1, decode_instances=2),
+           dict(prefill_instances=2, decode_instances=1)]
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("disaggregated")
+    paths = {f: write_checkpoint(root / f, f, seed=1) for f in FAMILIES}
+    # Random prompts, a one-token prompt (nothing to hand over), and prompts whose handed-over part
+    # (all but the last token) ends exactly at a block's end and one token past it.
+    prompts = random_prompts(7, seed=5, low=3, high=40) + [[5], [11] * 17, [12] * 18]
+    prompts_file = root / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    expected, sampled = {}, {}
+    for family, path in paths.items():
+        expected[family], llm = single_process(path, prompts, NEW_TOKENS)
+        assert expected[family] == hf_greedy(path, prompts, NEW_TOKENS), family
+        sampled[family] = [sampled_report(o) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(**SAMPLED), use_tqdm=False)]
+    return SimpleNamespace(paths=paths, prompts=prompts_file, expected=expected, sampled=sampled, root=root)
+
+
+def engine_args(case, layouts, *flags: str, families=FAMILIES) -> list[str]:
+    models = [arg for family in families for arg in ("--model", str(case.paths[family]))]
+    return [*models, "--prompts", str(case.prompts), "--max-tokens", str(NEW_TOKENS),
+            *[arg for layout in layouts for arg in ("--layout", json.dumps(layout))], *flags,
+            "--engine-args", json.dumps({"cpu_linear": "torch", "max_num_batched_tokens": 16})]
+
+
+def check_runs(case, reports: list[dict], runs: int) -> None:
+    assert all(len(r["runs"]) == runs for r in reports)
+    for i, run in enumerate(reports[0]["runs"]):
+        family = next(f for f in FAMILIES if str(case.paths[f]) == run["model"])
+        where = f"{run['layout']} {family}"
+        assert run["tokens"] == case.expected[family], where
+        if run["sampled"] is not None:
+            assert _tokens(run["sampled"]) == _tokens(case.sampled[family]), where
+            for got, want in zip(run["sampled"], case.sampled[family]):
+                for g, w in zip(got["outputs"], want["outputs"]):
+                    for ge, we in zip(g["logprobs"], w["logprobs"]):
+                        assert ge.keys() == we.keys() and all(abs(ge[k] - we[k]) < 1e-4 for k in ge), where
+        for r in reports:  # nothing stranded on either side
+            mine = r["runs"][i]
+            assert mine["all_blocks_free"] and mine["running"] == 0, (r["rank"], where)
+        roles = [r["runs"][i]["disaggregated"] for r in reports]
+        # Every handed-over request's KV left a prefill instance and arrived at a decode instance (a
+        # TP instance's ranks count alike: its first speaks), and every prompt of more than one
+        # token was handed over: the decode side computed none of them itself.
+        sent = sum(d["handoff"]["requests"] for d in roles if d["role"] == "prefill" and d["tp_rank"] == 0)
+        received = sum(d["kv"]["transfers"] for d in roles if d["role"] == "decode" and d["tp_rank"] == 0)
+        handed = sum(len(p) > 1 for p in json.loads(case.prompts.read_text()))
+        assert sent == received == handed * (2 if run["sampled"] is not None else 1), (where, roles)
+        assert all(d["handoff"]["failed"] == d["handoff"]["dropped"] == 0 for d in roles), (where, roles)
+        assert all("toolkit:disagg_kv_bytes" in r["runs"][i]["metrics"] for r in reports)
+
+
+def _tokens(sampled: list[dict]) -> list:
+    return [[o["tokens"] for o in s["outputs"]] for s in sampled]
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_instances_give_the_single_process_outputs(case, tmp_path):
+    """One launch, four layouts x two families: greedy and seeded sampling against the single process."""
+    proc = torchrun(tmp_path, ["--nproc-per-node=3", "--standalone"],
+                    engine_args(case, LAYOUTS, "--sampled", json.dumps(SAMPLED)), script=ENGINE_WORKER)
+    assert proc.returncode == 0, output_tail(proc)
+    reports = read_reports(tmp_path, 3)
+    check_runs(case, reports, len(LAYOUTS) * len(FAMILIES))

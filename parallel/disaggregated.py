@@ -26,10 +26,13 @@ Leaf module: torch only (and this package's TP head rule).
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -270,13 +273,32 @@ def setup_disaggregated(layout: DisaggLayout, device, model_config):
 class SendWaiter:
     """Gloo's point-to-point works never say they are complete until someone waits on them, and a
     send completes only when the peer receives it: one thread waits on them, in order, so the step
-    loop can poll (`done`) and free what a completed send read."""
+    loop can poll (`done`) and free what a completed send read.
+
+    A send may rightly wait long (a decode instance whose cache is full takes a request's KV only
+    when it can admit it), and gloo closes the pair when a wait outlasts its timeout, so the wait
+    here is a day long; a hung or dead peer is told by the roles' own timers instead."""
+
+    WAIT = timedelta(hours=24)
 
     def __init__(self):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-send-wait")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # A daemon thread: a process ending on an error must not wait for a send nobody will take.
+        threading.Thread(target=self._run, name="kv-send-wait", daemon=True).start()
 
     def watch(self, work) -> Future:
-        return self._pool.submit(work.wait)
+        future: Future = Future()
+        self._queue.put((work, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            work, future = self._queue.get()
+            try:
+                work.wait(self.WAIT)
+                future.set_result(None)
+            except BaseException as exc:  # noqa: BLE001  handed to whoever polls the future
+                future.set_exception(exc)
 
 
 READY, HEARTBEAT, DONE = 1, 2, 3  # message kinds: [kind, a, b] in one int64 tensor
@@ -332,11 +354,6 @@ class ControlPlane:
         buf = torch.zeros(3, dtype=torch.int64)
         self._recvs[src] = (dist.irecv(buf, src=src, group=self.group), buf)
         return self._recvs[src]
-
-    def flush(self) -> None:
-        """Wait for this rank's own messages to be taken (before the process group may go)."""
-        while self._sends:
-            self._sends.popleft()[0].result()
 
 
 # --- the KV connector workers ---------------------------------------------------------------------

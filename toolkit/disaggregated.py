@@ -115,8 +115,6 @@ class _Role:
     def _idle(self) -> None:
         time.sleep(IDLE_SLEEP_S)
 
-    def close(self) -> None:
-        self.control.flush()
 
 
 class PrefillRole(_Role):

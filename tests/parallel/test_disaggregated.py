@@ -29,7 +29,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
-from tests.parallel.test_parallel import REPO, command, free_port, output_tail, read_reports, single_process, torchrun
+from tests.parallel.test_parallel import (LAUNCH_TIMEOUT_S, REPO, command, free_port, output_tail, read_reports,
+                                         single_process, torchrun, worker_env)
 from tests.parallel.worker import sampled_report
 from toolkit import SamplingParams
 from toolkit.parallel import ParallelConfigError
@@ -159,3 +160,90 @@ def test_prefill_and_decode_instances_give_the_single_process_outputs(case, tmp_
     assert proc.returncode == 0, output_tail(proc)
     reports = read_reports(tmp_path, 3)
     check_runs(case, reports, len(LAYOUTS) * len(FAMILIES))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hung_rank, waiting_rank, hung_name", [
+    (1, 0, "rank 1 (decode instance 0, TP rank 0 of 1)"),
+    (0, 1, "rank 0 (prefill instance 0, TP rank 0 of 1)"),
+])
+def test_a_hung_instance_ends_the_job_within_the_timeout_naming_its_rank_and_role(case, tmp_path, hung_rank,
+                                                                                  waiting_rank, hung_name):
+    layout = dict(prefill_instances=1, decode_instances=1)
+    flags = ("--fail-rank", str(hung_rank), "--fail-mode", "hang")
+    proc = torchrun(tmp_path, ["--nproc-per-node=2", "--standalone"],
+                    engine_args(case, [layout], *flags, families=FAMILIES[:1]), env={"TOOLKIT_DIST_TIMEOUT": "10"},
+                    script=ENGINE_WORKER)
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "RuntimeError: rank" in line]
+    assert any(line.split("RuntimeError: ")[1].startswith(f"rank {waiting_rank} ") and hung_name in line
+               and "hung or dead" in line for line in errors), output_tail(proc)
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair: "hosts" with their own addresses and network
+    stacks on this machine (root and iproute2 needed, as on every machine this suite runs on)."""
+
+    ADDRESSES = ("10.77.0.1", "10.77.0.2")
+
+    def __init__(self):
+        tag = uuid.uuid4().hex[:6]
+        self.names = [f"tk-{tag}-{i}" for i in range(2)]
+        self.links = [f"tkv{tag}{i}" for i in range(2)]
+
+    def __enter__(self):
+        try:
+            for name in self.names:
+                ip("netns", "add", name)
+            ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+            for name, link, address in zip(self.names, self.links, self.ADDRESSES):
+                ip("link", "set", link, "netns", name)
+                ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
+                ip("-n", name, "link", "set", link, "up")
+                ip("-n", name, "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.names:  # removing a namespace removes its end of the veth pair, and so both
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    def launch(self, out, worker_args: list[str], env: dict) -> list[subprocess.CompletedProcess]:
+        """One torchrun node per host, the rendezvous and process group over the veth pair."""
+        endpoint = f"{self.ADDRESSES[0]}:{free_port()}"
+        procs = []
+        for node, (name, link) in enumerate(zip(self.names, self.links)):
+            launcher = ["--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=static",
+                        f"--rdzv-endpoint={endpoint}", "--max-restarts=0"]
+            cmd = ["ip", "netns", "exec", name, *command(out, launcher, worker_args, ENGINE_WORKER)]
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=worker_env({**env, "GLOO_SOCKET_IFNAME": link}),
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results = []
+        for proc in procs:
+            try:
+                stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+        return results
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_on_two_hosts_over_a_real_network_stack(case, tmp_path):
+    """1 prefill + 1 decode, each in its own network namespace: the rendezvous, the control plane
+    and the KV travel over the veth pair, and the tokens are the single process's."""
+    assert shutil.which("ip"), "iproute2's ip is needed for the two-host test"
+    layout = dict(prefill_instances=1, decode_instances=1)
+    with TwoHosts() as hosts:
+        procs = hosts.launch(tmp_path, engine_args(case, [layout], families=FAMILIES[1:]), {})
+    for proc in procs:
+        assert proc.returncode == 0, output_tail(proc)
+    check_runs(case, read_reports(tmp_path, 2), 1)

@@ -238,13 +238,13 @@ def setup_disaggregated(layout: DisaggLayout, device, model_config):
     from toolkit.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
     from torch.distributed.device_mesh import DeviceMesh
 
-    world = launched_world_size()
-    layout.check(world)
     for role, tp in (("prefill", layout.prefill_size), ("decode", layout.decode_tp)):
         try:
             check_tensor_parallel(model_config, tp)
         except ParallelConfigError as e:
             raise ParallelConfigError(f"{role} instances: {e}") from None
+    world = launched_world_size()
+    layout.check(world)
     device = local_device(device)
     _init_process_group(device, world)
     rank = dist.get_rank()

@@ -135,6 +135,8 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ERROR
             request.error = error
             self._rejected.append(request)
+            if self.connector is not None:  # it ends here, holding no block (a prefill instance says so)
+                self.connector.request_finished(request, [])
             return
         key = (request.arrival_time, next(self._arrivals))
         if self.config.policy == "priority":

@@ -76,6 +76,20 @@ def test_router_balances_pending_prompt_tokens_and_promised_kv():
     assert [d for _, d in got] == [0, 1, 0, 0]
 
 
+def test_a_launch_that_does_not_match_the_layout_or_a_role_that_cannot_split_the_model_fails_before_loading(
+        tmp_path):
+    from toolkit import LLM
+    from toolkit.parallel import ParallelConfigError
+
+    path = write_checkpoint(tmp_path / "m", "tied_mqa", seed=1)  # 4 attention heads, 1 kv head
+    with pytest.raises(ParallelConfigError, match=r"1 prefill instance\(s\) x 2 ranks \+ 1 decode instance\(s\) x 1 "
+                                                  r"ranks = 3 processes, but this launch has a world size of 1"):
+        LLM(str(path), prefill_instances=1, decode_instances=1, prefill_tensor_parallel_size=2)
+    with pytest.raises(ParallelConfigError, match=r"decode instances: tensor_parallel_size 3"):
+        LLM(str(path), prefill_instances=1, decode_instances=1, tensor_parallel_size=3, prefill_tensor_parallel_size=2,
+            )
+
+
 @pytest.mark.slow
 def test_kv_blocks_move_between_instances_resplit_across_tp_sizes(tmp_path):
     proc = torchrun(tmp_path, ["--nproc-per-node=3", "--standalone"], [], script=WORKER)

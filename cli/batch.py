@@ -23,7 +23,8 @@ class LineFailed(Exception):
 
 class BatchRunner:
     def __init__(self, engine: Engine, records, write: Callable[[dict], None], stats: RunStats,
-                 reporter: Reporter, window: int, fail_fast: bool):
+                 reporter: Reporter, window: int, fail_fast: bool,
+                 write_failure: Callable[[dict], None] | None = None):
         self.engine = engine
         self.records = records  # NativeRecords or OpenAIRecords: job + output -> output line
         self.write = write
@@ -31,6 +32,10 @@ class BatchRunner:
         self.reporter = reporter
         self.window = window
         self.fail_fast = fail_fast
+        # A line that fails before reaching the engine is failed by every rank that reads it; with
+        # several writers (disaggregated decode instances) one of them writes its record.
+        self.write_failure = write_failure or write
+        self.counts_failures = write_failure is None or write_failure is write
         self.pending: dict[str, Job] = {}  # engine request id -> its job
         self.finished_parts: dict[int, dict[str, RequestOutput]] = {}  # a list-of-prompts line's outputs so far
 
@@ -38,7 +43,7 @@ class BatchRunner:
         jobs = iter(jobs)
         more = True
         while True:
-            while more and len(self.pending) < self.window:
+            while more and self._held() < self.window:
                 job = next(jobs, None)
                 if job is None:
                     more = False
@@ -52,15 +57,24 @@ class BatchRunner:
             for out in self.engine.step():
                 self._finish(self.pending.pop(out.request_id), out)
 
+    def _held(self) -> int:
+        # Disaggregated: this rank's engine holds (or awaits) only the requests routed to its instance.
+        return len(self.pending) if self.engine.disagg is None else self.engine.num_unfinished_requests
+
     def _submit(self, job: Job) -> None:
         if job.error is not None:
-            self._fail(job, job.error)
+            self._fail(job, job.error, before_engine=True)
+            return
+        if job.prompts is not None and len(job.prompts) > 1 and self.engine.disagg is not None:
+            # Its prompts could go to different decode instances, which write separate shards.
+            self._fail(job, f"line {job.line}: a list of prompts in one request is not supported with "
+                            "disaggregated prefill/decode yet; give one prompt per line", before_engine=True)
             return
         jobs = parts(job)
         try:
             prompt_ids = [encode(self.engine, part) for part in jobs]  # all, before any of them runs
         except LineError as e:
-            self._fail(job, f"line {job.line}: {e}")
+            self._fail(job, f"line {job.line}: {e}", before_engine=True)
             return
         # The line number is unique in the file and stable across resumed runs.
         request_ids = [str(job.line)] if job.prompts is None else [f"{job.line}.{i}" for i in range(len(jobs))]
@@ -68,7 +82,8 @@ class BatchRunner:
             self.finished_parts[job.line] = {}
         for request_id, ids, part in zip(request_ids, prompt_ids, jobs):
             self.engine.add_request(request_id, ids, part.params, prompt=part.prompt)
-            self.pending[request_id] = job
+            if self.engine.serves(request_id):
+                self.pending[request_id] = job
 
     def _finish(self, job: Job, out: RequestOutput) -> None:
         outs = [out]
@@ -86,11 +101,13 @@ class BatchRunner:
         self.write(self.records.success(job, out if job.prompts is None else outs))
         self.reporter.advance(sum(self.stats.add_output(o) for o in outs))
 
-    def _fail(self, job: Job, message: str) -> None:
+    def _fail(self, job: Job, message: str, before_engine: bool = False) -> None:
         if self.fail_fast:
             # Not written: once the line is fixed, a rerun with the same output redoes it.
             raise LineFailed(message)
-        self.write(self.records.failure(job, message))
+        if before_engine and not self.counts_failures:
+            return  # another rank writes and counts it
+        (self.write_failure if before_engine else self.write)(self.records.failure(job, message))
         self.stats.add_error()
         self.reporter.error(message)
         self.reporter.advance(0)

@@ -25,7 +25,8 @@ from toolkit.cli.output_file import OutputLock, RecordWriter, Resume, merge_shar
 from toolkit.cli.progress import Reporter
 from toolkit.cli.records import NativeRecords
 from toolkit.cli.resume_check import check_input_matches, check_run_matches
-from toolkit.cli.stats import RunStats, combine_kv, combine_spec, kv_summary, print_summary, summary_line
+from toolkit.cli.stats import (RunStats, combine_handoff, combine_kv, combine_spec, kv_summary, print_summary,
+                               summary_line)
 from toolkit.sampling_params import SamplingParams
 
 
@@ -49,10 +50,28 @@ class Ranks:
     dp: int = 1
     rank: int = 0
     pp: int = 1
+    # Disaggregated prefill/decode: prefill instances of prefill_tp (default tp) ranks, then decode
+    # instances of tp ranks; each decode instance's first rank writes its records.
+    prefill: int = 0
+    decode: int = 0
+    prefill_tp: int | None = None
 
     @property
     def world(self) -> int:
+        if self.prefill:
+            return self.prefill * (self.prefill_tp or self.tp) + self.decode * self.tp
         return self.tp * self.dp * self.pp
+
+    @property
+    def decode_instance(self) -> int | None:
+        """Disaggregated: the index of this rank's decode instance; None on a prefill rank."""
+        first_decode = self.prefill * (self.prefill_tp or self.tp)
+        return (self.rank - first_decode) // self.tp if self.prefill and self.rank >= first_decode else None
+
+    @property
+    def shards(self) -> int:
+        """Writers of shard files, merged into OUTPUT at the end (1: OUTPUT itself)."""
+        return self.decode if self.prefill else self.dp
 
     @property
     def replica(self) -> int:
@@ -64,7 +83,21 @@ class Ranks:
 
     @property
     def writer(self) -> bool:  # its replica's first rank (stage 0, TP rank 0): writes the replica's records
+        if self.prefill:  # (disaggregated: its decode instance's first rank)
+            first_decode = self.prefill * (self.prefill_tp or self.tp)
+            return self.decode_instance is not None and (self.rank - first_decode) % self.tp == 0
         return self.rank % (self.tp * self.pp) == 0
+
+    @property
+    def shard(self) -> int:
+        """The shard this rank writes (with shards > 1)."""
+        return self.decode_instance if self.prefill else self.replica
+
+    @property
+    def writes_failures(self) -> bool:
+        """Whether the records of lines that fail before reaching the engine are this rank's to write
+        (every rank reads every line under TP or disaggregation; one writes such a record)."""
+        return self.writer and (not self.prefill or self.decode_instance == 0)
 
 
 def generate(
@@ -129,6 +162,9 @@ def generate(
     pp: o.PipelineParallelOpt = 1,
     pp_layer_partition: o.PipelinePartitionOpt = None,
     enable_expert_parallel: o.ExpertParallelOpt = False,
+    prefill_instances: o.PrefillInstancesOpt = 0,
+    decode_instances: o.DecodeInstancesOpt = 0,
+    prefill_tp: o.PrefillTensorParallelOpt = None,
     verbose: o.VerboseOpt = False,
 ):
     """Generate completions for one prompt or a file of them.
@@ -150,18 +186,24 @@ def generate(
         cpu_linear=cpu_linear, enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp,
         pp_layer_partition=pp_layer_partition,
     )
+    if prefill_instances or decode_instances or prefill_tp is not None:
+        engine.update(prefill_instances=prefill_instances, decode_instances=decode_instances,
+                      prefill_tensor_parallel_size=prefill_tp)
     engine.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                               kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                               preemption_mode=preemption_mode))
-    ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp)
+    ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp, prefill_instances, decode_instances, prefill_tp)
     try:
         if speculative_config is not None:
             engine["speculative_config"] = o.parse_speculative_config(speculative_config, model)
+        check_disaggregation(engine)
         if ranks.world > 1:
-            check_parallel_args(io, dp)
+            check_parallel_args(io, dp, bool(prefill_instances))
             if "RANK" not in os.environ:
                 # Before starting tp x dp x pp processes that would all fail.
                 check_model_splits(model, tp, dp, enable_expert_parallel, pp, pp_layer_partition)
+                if prefill_tp is not None:
+                    check_model_splits(model, prefill_tp)
             from toolkit.parallel import maybe_relaunch
 
             relaunched = maybe_relaunch(ranks.world)  # outside torchrun: run this command as that many processes
@@ -182,19 +224,45 @@ def generate(
     raise typer.Exit(code)
 
 
-def check_parallel_args(io: IOArgs, dp: int) -> None:
+def check_parallel_args(io: IOArgs, dp: int, disaggregated: bool = False) -> None:
     """Before relaunching: the mistakes every rank would otherwise report."""
+    flag = "--prefill-instances/--decode-instances" if disaggregated else "--dp"
     if io.prompt is not None:
-        if dp > 1:
-            raise CliError("--dp splits an input file among replicas: use --input FILE --output OUT "
+        if dp > 1 or disaggregated:
+            raise CliError(f"{flag} splits an input file among instances: use --input FILE --output OUT "
                            "(a single PROMPT runs with --tp only)")
         return
     if io.input is None:
         raise CliError("give a PROMPT or --input FILE (see toolkit generate --help)")
     if not io.input.is_file():
         raise CliError(f"input file not found: {io.input}")
-    if dp > 1 and io.output is None:
-        raise CliError("--dp writes one shard file per replica, merged at the end: give --output FILE")
+    if (dp > 1 or disaggregated) and io.output is None:
+        raise CliError(f"{flag} writes one shard file per instance, merged at the end: give --output FILE")
+
+
+def check_disaggregation(engine_args: dict) -> None:
+    """The instance counts and what they do not combine with, before any process starts."""
+    from toolkit.config import EngineConfig
+
+    fields = {k: engine_args[k] for k in ("prefill_instances", "decode_instances", "prefill_tensor_parallel_size",
+                                          "data_parallel_size", "pipeline_parallel_size", "speculative_config",
+                                          "kv_offloading_size", "kv_disk_cache_dir", "enable_expert_parallel")
+              if k in engine_args}
+    if not fields.get("prefill_instances") and not fields.get("decode_instances") \
+            and fields.get("prefill_tensor_parallel_size") is None:
+        return
+    try:
+        EngineConfig(model="-", **fields)
+    except ValueError as e:
+        names = {"prefill_instances": "--prefill-instances", "decode_instances": "--decode-instances",
+                 "prefill_tensor_parallel_size": "--prefill-tp", "data_parallel_size": "--dp",
+                 "pipeline_parallel_size": "--pp", "speculative_config": "--speculative-config",
+                 "kv_offloading_size": "--kv-offloading-size", "kv_disk_cache_dir": "--kv-disk-cache-dir",
+                 "enable_expert_parallel": "--enable-expert-parallel"}
+        message = str(e)
+        for field_name, flag in names.items():
+            message = message.replace(field_name, flag)
+        raise CliError(message) from None
 
 
 def check_model_splits(model: Path | None, tp: int, dp: int = 1, expert_parallel: bool = False, pp: int = 1,
@@ -272,8 +340,8 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
     run = fingerprint(model, engine_args, sampling)
     resume, total = Resume({}, 0, 0), 0
     if ranks.main:  # only rank 0 reads (and trims) the output; the other ranks get its answer below
-        if ranks.dp > 1:
-            merge_shards(io.output)  # shards an interrupted --dp run left behind
+        if ranks.shards > 1 or ranks.prefill:
+            merge_shards(io.output)  # shards an interrupted --dp (or disaggregated) run left behind
         resume = resume_from(io.output) if io.output is not None else Resume({}, 0, 0)
         # Before the (slow) model load: a reused output path from another job fails at once.
         check_run_matches(resume.runs, run, io.output, model or "the built-in model")
@@ -307,11 +375,14 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
     records = Stamped(records, run)
     stats = RunStats(skipped=len(resume.done), skipped_errors=resume.errors)
     where = str(io.output) if io.output else "stdout"
-    target = io.output if share is None else shard_path(io.output, ranks.replica, ranks.dp)
-    with RecordWriter(target if ranks.writer else None) as writer, \
-            Reporter(console, shown_total, shown_done, not io.quiet and ranks.main) as reporter:
+    sharded = share is not None or bool(ranks.prefill)
+    target = (shard_path(io.output, ranks.shard, ranks.shards) if sharded else io.output) if ranks.writer else None
+    # Disaggregated: the decode instances write; rank 0 (a prefill rank) shows no bar, only the summary.
+    with RecordWriter(target) as writer, \
+            Reporter(console, shown_total, shown_done, not io.quiet and ranks.main and not ranks.prefill) as reporter:
         write = writer.write if ranks.writer else (lambda record: None)
-        runner = BatchRunner(engine, records, write, stats, reporter, io.window, io.fail_fast)
+        runner = BatchRunner(engine, records, write, stats, reporter, io.window, io.fail_fast,
+                             write if ranks.writes_failures else (lambda record: None))
         try:
             runner.run(read_jobs(io.input, fmt, base, resume.done, share))
         except LineFailed as e:
@@ -322,13 +393,15 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
             raise CliError(f"interrupted: {written}/{total} lines have a record in {where}; rerun the same "
                            "command to resume", code=EXIT_INTERRUPTED) from None
     stats.spec = engine.stats().get("spec_decode")
-    stats.kv = kv_summary(engine)
+    if engine.disagg is None:
+        stats.kv = kv_summary(engine)
+    else:  # a decode instance's prefix cache sees none of the prompts: the prefill instances compute them
+        kv = engine.stats()["disaggregated"]["kv"]
+        stats.handoff = {k: kv[k] for k in ("transfers", "bytes", "seconds_total")}
     stats.pipeline = engine.pipeline_stats()  # a collective over the replica's ranks
-    if share is not None:
-        from toolkit.parallel import gather_replicas
-
-        # Also the barrier: once rank 0 has every replica's stats, every shard is complete and closed.
-        parts = gather_replicas(engine.parallel, stats)
+    if sharded:
+        # Also the barrier: once rank 0 has every writer's stats, every shard is complete and closed.
+        parts = _gather_writers(engine, stats)
         if not ranks.main:
             return 0
         merge_shards(io.output)
@@ -371,6 +444,19 @@ def fingerprint(model: Path | None, engine_args: dict, sampling: dict) -> RunFin
         raise CliError(f"cannot load model {path}: {e}") from None
 
 
+def _gather_writers(engine, stats: RunStats) -> list[RunStats] | None:
+    """Every shard writer's stats on rank 0 (None elsewhere): the data-parallel replicas', or the
+    decode instances' once every one of them is done (toolkit/disaggregated.py)."""
+    if engine.disagg is None:
+        from toolkit.parallel import gather_replicas
+
+        return gather_replicas(engine.parallel, stats)
+    from toolkit.disaggregated import gather_decoded
+
+    engine.disagg.finish_call(engine)
+    return gather_decoded(engine.disagg.disagg, stats)
+
+
 def _combine(parts: list[RunStats]) -> RunStats:
     """The replicas' stats as one run (rank 0's clock and skipped counts)."""
     total = parts[0]
@@ -383,6 +469,7 @@ def _combine(parts: list[RunStats]) -> RunStats:
         total.tpot.extend(other.tpot)
         total.spec = combine_spec(total.spec, other.spec)
         total.kv = combine_kv(total.kv, other.kv)
+        total.handoff = combine_handoff(total.handoff, other.handoff)
     return total
 
 

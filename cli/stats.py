@@ -33,6 +33,7 @@ class RunStats:
         self.spec: dict | None = None  # the engine's speculative-decoding counters (Engine.stats()["spec_decode"])
         self.kv: dict | None = None  # the prefix cache's and KV tiers' counters (kv_summary)
         self.pipeline: list[dict] | None = None  # each pipeline stage's busy/idle time (Engine.pipeline_stats)
+        self.handoff: dict | None = None  # disaggregated: the prompts' KV the decode instances received
         self.start = time.monotonic()
 
     def add_output(self, out: RequestOutput) -> int:
@@ -75,6 +76,7 @@ class RunStats:
             "spec_decode": self.spec,
             "kv_cache": self.kv,
             "pipeline": self.pipeline,
+            "kv_handoff": self.handoff,
         }
 
 
@@ -115,8 +117,22 @@ def print_summary(stats: RunStats, console: Console, output: str) -> None:
             table.add_row("KV moved", moved_summary(s["kv_cache"]))
     if s["pipeline"]:
         table.add_row("pipeline idle", pipeline_summary(s["pipeline"]))
+    if s["kv_handoff"]:
+        table.add_row("KV handoff", handoff_summary(s["kv_handoff"]))
     table.add_row("output", output)
     console.print(table)
+
+
+def handoff_summary(kv: dict) -> str:
+    """The prompts' KV the decode instances received from the prefill instances."""
+    mean = 1000 * kv["seconds_total"] / kv["transfers"] if kv["transfers"] else 0.0
+    return f"{kv['transfers']:,} prompts, {kv['bytes'] / 2**20:,.1f} MiB received, {mean:.1f} ms each on average"
+
+
+def combine_handoff(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in ("transfers", "bytes", "seconds_total")}
 
 
 def pipeline_summary(stages: list[dict]) -> str:
@@ -135,6 +151,7 @@ def summary_line(stats: RunStats, output: str) -> str:
             + (f", speculation: {spec_summary(s['spec_decode'])}" if s["spec_decode"] is not None else "")
             + (f", prefix cache: {prefix_summary(s['kv_cache'])}" if s["kv_cache"] is not None else "")
             + (f", pipeline idle: {pipeline_summary(s['pipeline'])}" if s["pipeline"] else "")
+            + (f", KV handoff: {handoff_summary(s['kv_handoff'])}" if s["kv_handoff"] else "")
             + f" -> {output}")
 
 

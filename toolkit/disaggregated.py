@@ -163,6 +163,13 @@ class PrefillRole(_Role):
     def has_unfinished(self, engine) -> bool:
         return bool(engine._groups) or self.worker.poll() > 0
 
+    def serves(self, request_id: str) -> bool:
+        return False  # a prefill instance returns no output
+
+    @property
+    def num_awaited(self) -> int:
+        return 0
+
     def finish_call(self, engine) -> None:
         """Global rank 0 waits for every decode instance's DONE before the outputs' gather."""
         if self.disagg.rank != 0:
@@ -191,6 +198,9 @@ class DecodeRole(_Role):
         self.worker = KVReceiver(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__)
         self._expected: dict[int, _Expected] = {}  # seq -> request awaiting its prefill
         self._owed: dict[int, int] = {}  # prefill instance -> READY messages still owed to this instance
+        # READY for requests not fed here yet (a prefill rank may read its input ahead of this one)
+        self._early: dict[int, bool] = {}
+        self._served: set[str] = set()
         self._last_word = time.monotonic()
         self._kv_ready: dict[str, float] = {}  # request id -> when READY came
 
@@ -199,18 +209,33 @@ class DecodeRole(_Role):
         seq, p, d = self.route(len(prompt_token_ids), params.max_tokens or engine.max_model_len)
         if d != self.disagg.instance.index:
             return
+        self._served.add(request_id)
         args = (request_id, prompt_token_ids, params, prompt, priority, arrival_time, cache_salt)
         if not _handoff(prompt_token_ids, params):
             engine._add_request(*args)  # computed here alone
             return
-        self._expected[seq] = _Expected(seq, p, args, time.monotonic())
+        expected = _Expected(seq, p, args, time.monotonic())
+        if seq in self._early:
+            self._arrive(engine, expected, self._early.pop(seq))
+            return
+        self._expected[seq] = expected
         self._owed[p] = self._owed.get(p, 0) + 1
         self._last_word = time.monotonic()
+
+    def serves(self, request_id: str) -> bool:
+        """Whether this instance returns the request's output (it was routed here)."""
+        return request_id in self._served
+
+    @property
+    def num_awaited(self) -> int:
+        """Requests routed here whose prefill has not come yet."""
+        return len(self._expected)
 
     def step(self, engine) -> list:
         self._take_arrivals(engine)
         finished = engine._step()
         for out in finished:
+            self._served.discard(out.request_id)
             m = out.metrics
             ready = self._kv_ready.pop(out.request_id, m.arrival_time)
             self.times.queue.append((m.first_scheduled_time or m.finished_time) - ready)
@@ -241,11 +266,15 @@ class DecodeRole(_Role):
             dist.broadcast_object_list(box, src=self.disagg.instance.ranks[0], group=self.disagg.instance_group)
             arrivals = box[0]
         for seq, ok in arrivals:
-            self._arrive(engine, self._expected.pop(seq), bool(ok))
+            if seq in self._expected:
+                expected = self._expected.pop(seq)
+                self._owed[expected.prefill] -= 1
+                self._arrive(engine, expected, bool(ok))
+            else:
+                self._early[seq] = bool(ok)
 
     def _arrive(self, engine, expected: _Expected, ok: bool) -> None:
         self._last_word = time.monotonic()
-        self._owed[expected.prefill] -= 1
         rid, prompt_token_ids, params, *_ = expected.args
         engine._add_request(*expected.args)
         engine._groups[rid].metrics.arrival_time = expected.arrival  # TTFT counts from the request's arrival
@@ -295,12 +324,21 @@ def build_role(disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads:
     return cls(disagg, block_size, kv_caches, num_kv_heads)
 
 
-def gather_outputs(disagg: Disaggregation, outputs: list, total_ids: list[str]) -> list:
-    """The decode instances' outputs on global rank 0 in `total_ids` order; [] on every other rank."""
-    mine = outputs if disagg.role == "decode" and disagg.tp_rank == 0 else None
+def gather_decoded(disagg: Disaggregation, obj) -> list | None:
+    """One picklable object from each decode instance (its first rank), in instance order, on global
+    rank 0; None on every other rank. A collective of every rank."""
+    mine = obj if disagg.role == "decode" and disagg.tp_rank == 0 else None
     parts = [None] * dist.get_world_size() if disagg.rank == 0 else None
     dist.gather_object(mine, parts, dst=0, group=disagg.gather_group)
     if disagg.rank != 0:
+        return None
+    return [parts[inst.ranks[0]] for inst in disagg.instances("decode")]
+
+
+def gather_outputs(disagg: Disaggregation, outputs: list, total_ids: list[str]) -> list:
+    """The decode instances' outputs on global rank 0 in `total_ids` order; [] on every other rank."""
+    parts = gather_decoded(disagg, outputs)
+    if parts is None:
         return []
-    by_id = {out.request_id: out for part in parts if part for out in part}
+    by_id = {out.request_id: out for part in parts for out in part}
     return [by_id[rid] for rid in total_ids]

@@ -345,6 +345,17 @@ class Engine:
             self.sampler.add_request(child_id, child_params)
             self.scheduler.add_request(req)
 
+    def serves(self, request_id: str) -> bool:
+        """Whether step() will return this request's output here: always, except in a disaggregated
+        job, where its decode instance does (toolkit/disaggregated.py)."""
+        return self.disagg is None or self.disagg.serves(request_id)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """User requests this engine holds (a disaggregated decode instance: with those whose prefill
+        has not come yet)."""
+        return len(self._groups) + (self.disagg.num_awaited if self.disagg is not None else 0)
+
     def abort_request(self, request_id: str) -> None:
         group = self._groups.get(request_id)
         for child in list(group.children) if group else ():

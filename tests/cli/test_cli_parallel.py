@@ -1,4 +1,4 @@
-"""`toolkit generate --tp 2` / `--dp 2` / `--pp 2`, launched for real (the CLI relaunches itself through
+"""`toolkit generate --tp 2` / `--dp 2` / `--pp 2` / `--prefill-instances 1 --decode-instances 1`, launched for real (the CLI relaunches itself through
 torch.distributed.run, gloo on CPU), against the single-process CLI run on the same input.
 
 Oracle: the single-process records, compared by id, line, text and token count (records stream in
@@ -70,6 +70,21 @@ def test_two_processes_match_single_process(case, tmp_path, flag):
         assert "pipeline idle: stage 1 (layers 0-0)" in proc.stderr and "stage 2 (layers 1-1)" in proc.stderr
 
 
+DISAGGREGATED = ["--prefill-instances", "1", "--decode-instances", "1"]
+
+
+def test_prefill_and_decode_instances_match_single_process(case, tmp_path):
+    """Text prompts tokenized on every rank, prefilled on one process, decoded on the other, whose
+    shard is merged into OUT; the summary says what KV crossed over."""
+    ckpt, prompts, expected = case
+    out = tmp_path / "out.jsonl"
+    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *FLAGS, *DISAGGREGATED, "--window", "2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert by_line(out) == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"], "shard files left behind"
+    assert proc.stderr.count("done:") == 1 and "KV handoff: 4 prompts" in proc.stderr
+
+
 def test_dp_resumes_from_an_interrupted_runs_shard(case, tmp_path):
     """A shard left by a killed --dp run (with a torn last line) is merged first; the rest is redone."""
     ckpt, prompts, expected = case
@@ -88,15 +103,25 @@ def test_dp_resumes_from_an_interrupted_runs_shard(case, tmp_path):
     assert all(got[line] == expected[line] for line in expected if line != 1)
 
 
-def test_dp_with_a_single_prompt_is_an_error():
-    proc = run_cli("hello", "--dp", "2")
+@pytest.mark.parametrize("flags", [["--dp", "2"], DISAGGREGATED])
+def test_dp_or_disaggregation_with_a_single_prompt_is_an_error(flags):
+    proc = run_cli("hello", *flags)
     assert proc.returncode == 2
     assert "--input" in proc.stderr and "--output" in proc.stderr
 
 
-def test_kill_9_of_a_dp_run_takes_its_workers_and_a_rerun_completes(case, tmp_path):
+def test_disaggregation_flags_that_do_not_combine_fail_before_any_process_starts(tmp_path):
+    proc = run_cli("-i", tmp_path / "x.txt", "-o", tmp_path / "o.jsonl", "--prefill-instances", "1")
+    assert proc.returncode == 2 and "--prefill-instances 1 and --decode-instances 0" in proc.stderr
+    proc = run_cli("-i", tmp_path / "x.txt", "-o", tmp_path / "o.jsonl", *DISAGGREGATED, "--dp", "2")
+    assert proc.returncode == 2 and "does not combine with --dp" in proc.stderr
+
+
+@pytest.mark.parametrize("flags", [["--dp", "2"], DISAGGREGATED], ids=["dp", "disaggregated"])
+def test_kill_9_of_a_parallel_run_takes_its_workers_and_a_rerun_completes(case, tmp_path, flags):
     """The relaunched workers run in their own sessions: without PR_SET_PDEATHSIG a kill -9 of the
-    command would leave them running (PPID 1), still writing shards."""
+    command would leave them running (PPID 1), still writing shards. A disaggregated run's decode
+    instance writes a shard as a replica does, and is resumed the same way."""
     import signal
     import time
 
@@ -108,7 +133,7 @@ def test_kill_9_of_a_dp_run_takes_its_workers_and_a_rerun_completes(case, tmp_pa
     long = ["--max-tokens", "48", "--ignore-eos", "--max-num-seqs", "1"]
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "toolkit.cli.main", "generate", "-m", ckpt, "-i", prompts, "-o", out, *FLAGS, *long,
-           "--dp", "2"]
+           *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     top = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
@@ -129,7 +154,7 @@ def test_kill_9_of_a_dp_run_takes_its_workers_and_a_rerun_completes(case, tmp_pa
 
     single = tmp_path / "single.jsonl"
     assert run_cli("-m", ckpt, "-i", prompts, "-o", single, *FLAGS, *long).returncode == 0
-    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *FLAGS, *long, "--dp", 2)
+    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *FLAGS, *long, *flags)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert by_line(out) == by_line(single)  # every line once, the same tokens as one uninterrupted process
     assert not [p for p in tmp_path.iterdir() if ".dp" in p.name], "shard files left behind"
@@ -146,7 +171,7 @@ def _wait_for_writing_workers(top, out: Path, deadline: float) -> list:
             return workers
         assert top.status() != "zombie", "the run ended before it was killed"
         time.sleep(0.05)
-    raise AssertionError("the --dp 2 workers never started writing")
+    raise AssertionError("the two workers never started writing")
 
 
 def _cmdline(process) -> list[str]:

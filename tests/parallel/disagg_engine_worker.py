@@ -48,6 +48,7 @@ def main() -> None:
                 "running": engine.scheduler.num_running + engine.scheduler.num_waiting,
                 "kv_heads": engine.runner.kv_caches[0].shape[3],
                 "disaggregated": engine.stats()["disaggregated"],
+                "prefix_cache": engine.stats()["prefix_cache"],
                 "metrics": sorted({m.name for m in llm.get_metrics() if m.name.startswith("toolkit:disagg")}),
             })
             del llm, engine

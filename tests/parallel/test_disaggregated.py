@@ -114,9 +114,10 @@ LAYOUTS = [dict(prefill_instances=1, decode_instances=1, prefill_tensor_parallel
 def case(tmp_path_factory):
     root = tmp_path_factory.mktemp("disaggregated")
     paths = {f: write_checkpoint(root / f, f, seed=1) for f in FAMILIES}
-    # Random prompts, a one-token prompt (nothing to hand over), and prompts whose handed-over part
-    # (all but the last token) ends exactly at a block's end and one token past it.
-    prompts = random_prompts(7, seed=5, low=3, high=40) + [[5], [11] * 17, [12] * 18]
+    # Random prompts, a one-token prompt (nothing to hand over), prompts whose handed-over part (all
+    # but the last token) ends exactly at a block's end and one token past it, and one that shares
+    # its first block with another (a prefix-cache hit on the prefill side, in a later step).
+    prompts = random_prompts(7, seed=5, low=3, high=40) + [[5], [11] * 17, [12] * 18, [11] * 16 + [13] * 9]
     prompts_file = root / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     expected, sampled = {}, {}
@@ -160,6 +161,11 @@ def check_runs(case, reports: list[dict], runs: int) -> None:
         assert sent == received == handed * (2 if run["sampled"] is not None else 1), (where, roles)
         assert all(d["handoff"]["failed"] == d["handoff"]["dropped"] == 0 for d in roles), (where, roles)
         assert all("toolkit:disagg_kv_bytes" in r["runs"][i]["metrics"] for r in reports)
+        # Prefix caching works on the prefill side: the sampled run finds every prompt's full blocks.
+        if run["sampled"] is not None:
+            hits = sum(r["runs"][i]["prefix_cache"]["hits"] for r, d in zip(reports, roles)
+                       if d["role"] == "prefill" and d["tp_rank"] == 0)
+            assert hits > 0, where
 
 
 def _tokens(sampled: list[dict]) -> list:

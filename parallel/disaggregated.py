@@ -1,7 +1,7 @@
 """Disaggregated prefill and decode (#22), the distributed side: the job's layout into prefill and
 decode instances and their process groups (`setup_disaggregated`), the router's choice of
 instances, the data plane that moves a request's KV blocks from a prefill instance's caches into a
-decode instance's, layer by layer, TP shard by TP shard (`send_kv`, `recv_kv`, and the KV connector
+decode instance's, every layer of a TP shard in one message (`send_kv`, `recv_kv`, and the KV connector
 workers `KVSender`, `KVReceiver` that carry out the step plans of scheduling/disaggregated.py), and
 the control plane (`ControlPlane`): small messages on a gloo group saying a request's KV is ready,
 that a decode instance is alive, and that it is done.
@@ -134,33 +134,36 @@ def transfer_plan(prefill_tp: int, decode_tp: int, num_kv_heads: int) -> list[He
 def send_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], tp_rank: int,
             decode_ranks: range, group=None, tag: int = 0) -> list:
     """On a prefill rank: start sending the request's `blocks` of every layer to the decode ranks the
-    plan names, one message per layer and route (so a layer can go while the next is written).
-    Returns the (work, tensor) pairs; the tensors must stay alive until the works complete."""
+    plan names, one message per route holding every layer ([layers, 2, blocks, block_size, heads,
+    head_dim]): on gloo each message is a rendezvous that may wait for the sending process's
+    transport thread to get a time slice, so one per layer would cost that once per layer.
+    Returns the (work, tensor, decode rank) triples; the tensors must stay alive until the works complete."""
     index = torch.tensor(blocks, dtype=torch.int64, device=kv_caches[0].device)
     sends = []
-    for cache in kv_caches:
-        for route in (r for r in routes if r.prefill_rank == tp_rank):
-            part = cache.index_select(1, index)[:, :, :, route.src].contiguous()
-            sends.append((dist.isend(part, dst=decode_ranks[route.decode_rank], group=group, tag=tag), part))
+    for route in (r for r in routes if r.prefill_rank == tp_rank):
+        part = torch.stack([cache.index_select(1, index)[:, :, :, route.src] for cache in kv_caches])
+        dst = decode_ranks[route.decode_rank]
+        sends.append((dist.isend(part, dst=dst, group=group, tag=tag), part, dst))
     return sends
 
 
 def recv_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], tp_rank: int,
             prefill_ranks: range, group=None, tag: int = 0, keep: bool = True) -> int:
     """On a decode rank: receive the request's KV into its own `blocks` (as many as the sender's, in
-    the same order), layer by layer, each route's heads into their place in this rank's cache; with
+    the same order), each route's heads of every layer into their place in this rank's cache; with
     `keep=False` receive as many blocks and drop them. Returns the bytes received."""
-    index = torch.tensor(blocks, dtype=torch.int64, device=kv_caches[0].device)
+    first = kv_caches[0]
+    index = torch.tensor(blocks, dtype=torch.int64, device=first.device)
     received = 0
-    for cache in kv_caches:
-        for route in (r for r in routes if r.decode_rank == tp_rank):
-            heads = route.dst.stop - route.dst.start
-            part = torch.empty((2, len(blocks), cache.shape[2], heads, cache.shape[4]), dtype=cache.dtype,
-                               device=cache.device)
-            dist.recv(part, src=prefill_ranks[route.prefill_rank], group=group, tag=tag)
-            received += part.numel() * part.element_size()
-            if keep:
-                cache[:, :, :, route.dst].index_copy_(1, index, part)
+    for route in (r for r in routes if r.decode_rank == tp_rank):
+        heads = route.dst.stop - route.dst.start
+        part = torch.empty((len(kv_caches), 2, len(blocks), first.shape[2], heads, first.shape[4]), dtype=first.dtype,
+                           device=first.device)
+        dist.recv(part, src=prefill_ranks[route.prefill_rank], group=group, tag=tag)
+        received += part.numel() * part.element_size()
+        if keep:
+            for cache, layer in zip(kv_caches, part):
+                cache[:, :, :, route.dst].index_copy_(1, index, layer)
     return received
 
 
@@ -168,21 +171,13 @@ def route_requests(prompt_lens: list[int], max_tokens: list[int], layout: Disagg
     """The router: each request's (prefill instance, decode instance), the same on every rank. In
     arrival order, the prefill instance with the fewest pending prompt tokens and the decode
     instance with the least KV promised (prompt + max_tokens); ties to the lower index."""
-    pending = [0] * layout.prefill_instances
-    promised = [0] * layout.decode_instances
-    out = []
-    for prompt, new in zip(prompt_lens, max_tokens):
-        p = min(range(len(pending)), key=lambda i: (pending[i], i))
-        d = min(range(len(promised)), key=lambda i: (promised[i], i))
-        pending[p] += prompt
-        promised[d] += prompt + new
-        out.append((p, d))
-    return out
+    router = Router(layout)
+    return [router.route(prompt, new) for prompt, new in zip(prompt_lens, max_tokens)]
 
 
 class Router:
-    """`route_requests` one request at a time (requests arrive as the engine is fed): the same answer
-    on every rank, since every rank sees the same requests in the same order."""
+    """The router one request at a time (requests arrive as the engine is fed): the same answer on
+    every rank, since every rank sees the same requests in the same order (`route_requests`)."""
 
     def __init__(self, layout: DisaggLayout):
         self.pending = [0] * layout.prefill_instances
@@ -414,27 +409,28 @@ class _KVWorker:
 
 
 class KVSender(_KVWorker):
-    """A prefill rank: each finished request's blocks, layer by layer, to the decode ranks that take
-    its heads (isend: the copy goes while the next step computes). The staged copies are what the
+    """A prefill rank: each finished request's blocks, every layer, to the decode ranks that take its
+    heads (isend: the copy goes while the next step computes). The staged copies are what the
     sends read, so the blocks themselves are free again after the step's saves."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._inflight: deque = deque()  # (work, tensor, request id, peer rank, posted at)
+        self._plan = None
         self._last_done = time.monotonic()
 
     def save_kv_layer(self, layer: int, plan) -> None:
-        cache = self.kv_caches[layer]
-        for rid, blocks in self.by_request(plan.saves).items():
-            if layer == 0:
-                self.stats.transfers += 1
-            index = torch.tensor(blocks, dtype=torch.int64, device=cache.device)
-            peer = self.peers_of(rid)
-            for route in (r for r in self.routes if r.prefill_rank == self.disagg.tp_rank):
-                part = cache.index_select(1, index)[:, :, :, route.src].contiguous()
-                dst = peer.ranks[route.decode_rank]
-                work = self.waiter.watch(dist.isend(part, dst=dst, tag=self.tag_of(rid)))
-                self._inflight.append((work, part, rid, dst, time.monotonic()))
+        if layer == 0:  # every layer goes in one message per route (send_kv), from wait_for_save
+            self._plan = plan
+
+    def wait_for_save(self) -> None:
+        # Still before the step's loads and forward: the blocks the saves name are whole.
+        plan, self._plan = self._plan, None
+        for rid, blocks in self.by_request(plan.saves if plan else ()).items():
+            self.stats.transfers += 1
+            for work, part, dst in send_kv(self.kv_caches, blocks, self.routes, self.disagg.tp_rank,
+                                           self.peers_of(rid).ranks, tag=self.tag_of(rid)):
+                self._inflight.append((self.waiter.watch(work), part, rid, dst, time.monotonic()))
                 self.stats.bytes += part.numel() * part.element_size()
 
     def poll(self) -> int:

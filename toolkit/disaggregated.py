@@ -100,6 +100,11 @@ class _Role:
                 "tp_rank": self.disagg.tp_rank,
                 "handoff": self.connector.stats(), "kv": self.worker.stats.as_dict(), **self.times.as_dict()}
 
+    def reset_times(self) -> None:
+        """Forget the per-request latencies and transfer times so far (a benchmark's warm-up)."""
+        self.times = RoleTimes()
+        self.worker.stats.seconds.clear()
+
     def metrics(self) -> list:
         labels = {"role": self.role, "instance": str(self.disagg.instance.index)}
         kv = self.worker.stats

@@ -25,6 +25,7 @@ from toolkit.cli.bench.metrics import (combine_throughput, decode_metrics, exper
                                        spec_delta)
 from toolkit.cli.bench.model import SHAPES, resolve_model
 from toolkit.cli.bench.pipeline import PipelineSystem, bubble_model, report_lines
+from toolkit.cli.bench.disaggregated import disagg
 from toolkit.cli.bench.report import build_rows, render_table, report_json
 from toolkit.cli.bench.roofline import (
     bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
@@ -194,6 +195,9 @@ def latency(
 ):
     """Latency at a fixed concurrency: TTFT, TPOT and ITL (mean, median, P99) as vLLM's bench serve defines them."""
     _run("latency", locals())
+
+
+bench_app.command("disagg", cls=GroupedHelpCommand)(disagg)
 
 
 # --- the run ---------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def run(layout: DisaggLayout, num_kv_heads: int, rank: int) -> list[str]:
     if mine.role == "prefill":
         # Each prefill instance's blocks say which instance wrote them (offset by 1000 blocks).
         sent = send_kv(caches(heads, fill=True, offset=1000 * mine.index), SRC_BLOCKS, routes, tp_rank, decode.ranks)
-        for work, _ in sent:
+        for work, _, _ in sent:
             work.wait()
     elif mine.index == 0:
         for p in prefills:

@@ -1,0 +1,176 @@
+"""`toolkit bench disagg`: disaggregated prefill/decode against the colocated engine on the same ranks.
+
+The workload is mixed: a few long prompts among many short ones, every request asking for the same
+number of output tokens, arriving at a given rate (Poisson, seeded) or all at once. Each system runs
+as its own torch.distributed.run job on the same number of ranks (cli/bench/disagg_worker.py): the
+colocated engine as data-parallel replicas (`--dp`, default 2), and each `--layout P:D` as P prefill
+and D decode instances. The report gives, per system, TTFT, TPOT and ITL (p50, p99) as vLLM's bench
+serve defines them, and for a disaggregated layout each role's queueing and latencies and the KV
+handed over (bytes, transfers, time per transfer, bandwidth), beside the workload's prefill:decode
+token ratio and the layout's P:D ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from toolkit.cli.bench.systems import BenchError, run_worker
+from toolkit.cli.bench.workload import FIRST_RANDOM_ID
+
+WORKER = Path(__file__).with_name("disagg_worker.py")
+BLOCK = 16
+
+
+def mixed_workload(num_requests: int, num_long: int, long_len: int, short_len: tuple[int, int], output_len: int,
+                   rate: float, vocab_size: int, seed: int = 0) -> list[dict]:
+    """`num_long` prompts of `long_len` tokens among short ones (uniform in `short_len`), shuffled,
+    each asking for `output_len` tokens; arrival times (seconds) of a Poisson process of `rate`
+    requests/s, or all 0 when rate is 0."""
+    if not 0 <= num_long <= num_requests or num_requests < 1:
+        raise ValueError(f"need 0 <= long prompts <= requests (>= 1), got {num_long} of {num_requests}")
+    if not 1 <= short_len[0] <= short_len[1] or long_len < 1 or output_len < 1 or rate < 0:
+        raise ValueError("lengths must be >= 1 (MIN <= MAX for --short-len) and --rate >= 0")
+    rng = np.random.default_rng(seed)
+    lens = [long_len] * num_long + rng.integers(short_len[0], short_len[1] + 1, num_requests - num_long).tolist()
+    rng.shuffle(lens)
+    gaps = rng.exponential(1 / rate, num_requests) if rate > 0 else np.zeros(num_requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    return [{"prompt_token_ids": rng.integers(FIRST_RANDOM_ID, vocab_size, int(n)).tolist(), "output_len": output_len,
+             "arrival_s": float(a)} for n, a in zip(lens, arrivals)]
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: a layout is P:D, e.g. 1:1") from None
+    if p < 1 or d < 1:
+        raise typer.BadParameter(f"{text!r}: P and D must be >= 1")
+    return p, d
+
+
+def disagg(
+    model: Annotated[Optional[Path], typer.Option("--model", "-m", help="Hugging Face model folder.")] = None,
+    model_shape: Annotated[Optional[str], typer.Option(
+        "--model-shape", help="A built-in shape with seeded random weights (e.g. 125m) instead of --model.")] = None,
+    num_requests: Annotated[int, typer.Option(min=1, help="Requests in the workload.")] = 64,
+    long_prompts: Annotated[int, typer.Option(min=0, help="How many of them have a long prompt.")] = 4,
+    long_len: Annotated[int, typer.Option(min=1, help="Tokens of a long prompt.")] = 1900,
+    short_len: Annotated[tuple[int, int], typer.Option(help="Short prompts' length range MIN MAX (uniform).")] = (32, 128),
+    output_len: Annotated[int, typer.Option(min=1, help="Output tokens of every request (EOS ignored).")] = 128,
+    rate: Annotated[float, typer.Option(min=0, help="Arrivals per second (Poisson); 0 = all at once.")] = 0.0,
+    layout: Annotated[Optional[list[str]], typer.Option(
+        help="A disaggregated layout P:D (prefill:decode instances, repeatable).")] = None,
+    dp: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False, help="The colocated engine's replicas (default: one run per layout's rank count).")] = None,
+    dtype: Annotated[str, typer.Option(help="Model dtype (auto = the checkpoint's).")] = "auto",
+    eager: Annotated[bool, typer.Option("--eager", help="Run without torch.compile.")] = False,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads per rank.")] = 1,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Token budget per step (chunked prefill).")] = 512,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Also write the report here.")] = None,
+):
+    """Disaggregated prefill/decode against colocated replicas on the same ranks: TTFT and TPOT p50/p99."""
+    from toolkit.cli.bench.model import resolve_model
+    from toolkit.config import load_model_config
+
+    err = Console(stderr=True)
+    layouts = [parse_layout(t) for t in (layout or ["1:1"])]
+    try:
+        path, load_format = resolve_model(model, model_shape, need_weights=False)
+        mc = load_model_config(path)
+        requests = mixed_workload(num_requests, long_prompts, long_len, short_len, output_len, rate, mc.vocab_size, seed)
+    except (ValueError, FileNotFoundError) as e:
+        err.print(f"error: {e}", style="red", markup=False)
+        raise typer.Exit(2)
+    longest = max(len(r["prompt_token_ids"]) + r["output_len"] for r in requests)
+    if longest > mc.max_position_embeddings:
+        err.print(f"error: a request needs {longest} tokens, more than the model's {mc.max_position_embeddings}",
+                  style="red")
+        raise typer.Exit(2)
+    common = dict(dtype=dtype, enforce_eager=eager, skip_tokenizer_init=True, load_format=load_format, seed=0,
+                  max_model_len=math.ceil(longest / BLOCK) * BLOCK, max_num_batched_tokens=max_num_batched_tokens)
+    # The colocated peer on the same ranks as each layout (or --dp replicas).
+    worlds = [dp] if dp else sorted({p + d for p, d in layouts})
+    systems = [(f"colocated (dp={n})", {"data_parallel_size": n}) for n in worlds]
+    systems += [(f"disaggregated {p}:{d}", {"prefill_instances": p, "decode_instances": d}) for p, d in layouts]
+    warm = {"prompt_token_ids": requests[0]["prompt_token_ids"][:64], "output_len": 4, "arrival_s": 0.0}
+    results = {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=False) as bar:
+        def phase(description: str, total: int):
+            task = bar.add_task(description, total=total)
+            return lambda n=1: bar.update(task, advance=n)
+
+        for label, engine_args in systems:
+            nproc = engine_args.get("data_parallel_size") or sum(engine_args.values())
+            spec = dict(model=str(Path(path).resolve()), engine_args={**common, **engine_args}, threads=threads,
+                        requests=requests, warm=warm)
+            repo = str(Path(__file__).resolve().parents[2])
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                    str(WORKER)]
+            try:
+                results[label], _ = run_worker(argv, spec, env, phase, label, "toolkit-bench-disagg-")
+            except BenchError as e:
+                err.print(f"error: {e}", style="red", markup=False)
+                raise typer.Exit(1)
+    report = {"workload": workload_summary(requests, rate, long_len), "systems": results,
+              "layouts": [f"{p}:{d}" for p, d in layouts]}
+    for line in report_lines(report):
+        print(line)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
+
+
+def workload_summary(requests: list[dict], rate: float, long_len: int) -> dict:
+    prompt = sum(len(r["prompt_token_ids"]) for r in requests)
+    output = sum(r["output_len"] for r in requests)
+    return {"requests": len(requests), "prompt_tokens": prompt, "output_tokens": output,
+            "prefill_to_decode_tokens": prompt / output, "rate": rate,
+            "long_prompts": sum(len(r["prompt_token_ids"]) == long_len for r in requests)}
+
+
+def report_lines(report: dict) -> list[str]:
+    w = report["workload"]
+    lines = [f"workload: {w['requests']} requests ({w['long_prompts']} long), {w['prompt_tokens']} prompt and "
+             f"{w['output_tokens']} output tokens (prefill:decode {w['prefill_to_decode_tokens']:.2f}:1), "
+             + (f"{w['rate']} requests/s" if w["rate"] else "all at once"),
+             f"{'system':<26} {'TTFT p50':>10} {'TTFT p99':>10} {'TPOT p50':>10} {'TPOT p99':>10} {'ITL p99':>10} "
+             f"{'out tok/s':>10}"]
+    for label, res in report["systems"].items():
+        lat = res["latency"]
+        ttft, tpot = lat["ttft_ms"], lat["tpot_ms"]
+        lines.append(f"{label:<26} {ttft['median']:>8.1f}ms {ttft['p99']:>8.1f}ms {tpot['median']:>8.1f}ms "
+                     f"{tpot['p99']:>8.1f}ms {lat['itl_ms']['p99']:>8.1f}ms {lat['output_tokens_per_s']:>10.1f}")
+    for label, res in report["systems"].items():
+        for role in (r for r in res["roles"] if r and r["tp_rank"] == 0):
+            lines.append(f"  {label}, {role['role']} instance {role['instance']}: " + role_line(role))
+    return lines
+
+
+def role_line(role: dict) -> str:
+    ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"  # noqa: E731
+    kv = role["kv_run"]
+    parts = [f"queue p50/p99 {ms(role['queue']['p50'])}/{ms(role['queue']['p99'])} ms"]
+    if role["role"] == "prefill":
+        parts.append(f"KV ready p50/p99 {ms(role['ttft']['p50'])}/{ms(role['ttft']['p99'])} ms after arrival")
+        parts.append(f"{kv['transfers']} prompts' KV sent, {kv['bytes'] / 2**20:.1f} MiB")
+    else:
+        per = role["kv"]
+        rate = kv["bytes"] / kv["seconds_total"] / 1e9 if kv["seconds_total"] else 0.0
+        parts.append(f"{kv['transfers']} received, {kv['bytes'] / 2**20:.1f} MiB, receive p50/p99 "
+                     f"{ms(per['seconds_p50'])}/{ms(per['seconds_p99'])} ms ({rate:.2f} GB/s)")
+        parts.append(f"TTFT p50 {ms(role['ttft']['p50'])} ms, TPOT p50 {ms(role['tpot']['p50'])} ms")
+    return "; ".join(parts)

@@ -365,12 +365,17 @@ class TransferStats:
     dropped: int = 0
 
     def as_dict(self) -> dict:
-        s = sorted(self.seconds)
-        pct = (lambda q: s[min(len(s) - 1, int(q * len(s)))] if s else None)  # noqa: E731
-        total = sum(s)
+        total, pct = sum(self.seconds), percentiles(self.seconds)
         return {"transfers": self.transfers, "bytes": self.bytes, "dropped": self.dropped,
-                "seconds_total": total, "seconds_p50": pct(0.5), "seconds_p99": pct(0.99),
+                "seconds_total": total, "seconds_p50": pct["p50"], "seconds_p99": pct["p99"],
                 "bandwidth_gbps": self.bytes / total / 1e9 if total else None}
+
+
+def percentiles(values: list[float]) -> dict:
+    """count, p50, p99 (nearest rank) and mean of a list of seconds; None for an empty list."""
+    s = sorted(values)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))] if s else None  # noqa: E731
+    return {"count": len(s), "p50": pick(0.5), "p99": pick(0.99), "mean": sum(s) / len(s) if s else None}
 
 
 class _KVWorker:

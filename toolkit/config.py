@@ -177,14 +177,19 @@ class EngineConfig:
             return
         # Each of these moves KV or tokens outside the step plan's point-to-point path, which a stage
         # holding only some layers cannot serve yet.
+        self._refuse_with(f"pipeline_parallel_size {self.pipeline_parallel_size}",
+                          "drop it, or run without pipeline parallelism")
+
+    def _refuse_with(self, feature: str, remedy: str, *others: tuple[str, bool]) -> None:
+        """A ValueError naming what is set among the features `feature` does not combine with yet."""
         unsupported = [name for name, on in (
+            *others,
             ("speculative_config", self.speculative_config is not None),
             ("kv_offloading_size", self.kv_offloading_size is not None),
             ("kv_disk_cache_dir", self.kv_disk_cache_dir is not None),
             ("enable_expert_parallel", self.enable_expert_parallel)) if on]
         if unsupported:
-            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} does not combine with "
-                             f"{', '.join(unsupported)} yet: drop it, or run without pipeline parallelism")
+            raise ValueError(f"{feature} does not combine with {', '.join(unsupported)} yet: {remedy}")
 
     @property
     def disaggregated(self) -> bool:
@@ -208,16 +213,10 @@ class EngineConfig:
             return
         # Each runs its own ranks or moves KV outside the prefill -> decode handoff, which would need
         # the handoff to know about it; the instances are the replicas here.
-        unsupported = [name for name, on in (
-            ("data_parallel_size", self.data_parallel_size > 1),
-            ("pipeline_parallel_size", self.pipeline_parallel_size > 1),
-            ("speculative_config", self.speculative_config is not None),
-            ("kv_offloading_size", self.kv_offloading_size is not None),
-            ("kv_disk_cache_dir", self.kv_disk_cache_dir is not None),
-            ("enable_expert_parallel", self.enable_expert_parallel)) if on]
-        if unsupported:
-            raise ValueError(f"disaggregated prefill/decode does not combine with {', '.join(unsupported)} yet: "
-                             "drop it, or run colocated (prefill_instances=0, decode_instances=0)")
+        self._refuse_with("disaggregated prefill/decode",
+                          "drop it, or run colocated (prefill_instances=0, decode_instances=0)",
+                          ("data_parallel_size", self.data_parallel_size > 1),
+                          ("pipeline_parallel_size", self.pipeline_parallel_size > 1))
 
     def _check_kv_hierarchy(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_cache_size"):

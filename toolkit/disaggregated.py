@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from toolkit.metrics import Counter, Gauge
 from toolkit.parallel.disaggregated import (DONE, READY, ControlPlane, Disaggregation, KVReceiver, KVSender, Router,
-                                            SendWaiter)
+                                            SendWaiter, percentiles)
 from toolkit.parallel.distributed import dist_timeout
 from toolkit.sampling_params import SamplingParams
 from toolkit.scheduling.disaggregated import DecodeConnector, PrefillConnector
@@ -56,13 +56,7 @@ class RoleTimes:
     tpot: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {name: _percentiles(getattr(self, name)) for name in ("queue", "ttft", "tpot")}
-
-
-def _percentiles(values: list[float]) -> dict:
-    s = sorted(values)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))] if s else None  # noqa: E731
-    return {"count": len(s), "p50": pick(0.5), "p99": pick(0.99), "mean": sum(s) / len(s) if s else None}
+        return {name: percentiles(getattr(self, name)) for name in ("queue", "ttft", "tpot")}
 
 
 class _Role:
@@ -113,8 +107,8 @@ class _Role:
                Counter("toolkit:disagg_kv_transfer_seconds", labels, sum(kv.seconds))]
         for name, values in (("queue", self.times.queue), ("ttft", self.times.ttft), ("tpot", self.times.tpot)):
             if values:
-                out += [Gauge(f"toolkit:disagg_{name}_seconds_p50", labels, _percentiles(values)["p50"]),
-                        Gauge(f"toolkit:disagg_{name}_seconds_p99", labels, _percentiles(values)["p99"])]
+                out += [Gauge(f"toolkit:disagg_{name}_seconds_p50", labels, percentiles(values)["p50"]),
+                        Gauge(f"toolkit:disagg_{name}_seconds_p99", labels, percentiles(values)["p99"])]
         return out
 
     def _idle(self) -> None:

@@ -29,8 +29,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
-from tests.parallel.test_parallel import (LAUNCH_TIMEOUT_S, REPO, command, free_port, output_tail, read_reports,
-                                         single_process, torchrun, worker_env)
+from tests.parallel.test_parallel import (REPO, launch_two_nodes, output_tail, read_reports, single_process,
+                                         torchrun)
 from tests.parallel.worker import sampled_report
 from toolkit import SamplingParams
 from toolkit.parallel import ParallelConfigError
@@ -230,26 +230,11 @@ class TwoHosts:
         for name in self.names:  # removing a namespace removes its end of the veth pair, and so both
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
-    def launch(self, out, worker_args: list[str], env: dict) -> list[subprocess.CompletedProcess]:
+    def launch(self, out, worker_args: list[str]) -> list[subprocess.CompletedProcess]:
         """One torchrun node per host, the rendezvous and process group over the veth pair."""
-        endpoint = f"{self.ADDRESSES[0]}:{free_port()}"
-        procs = []
-        for node, (name, link) in enumerate(zip(self.names, self.links)):
-            launcher = ["--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=static",
-                        f"--rdzv-endpoint={endpoint}", "--max-restarts=0"]
-            cmd = ["ip", "netns", "exec", name, *command(out, launcher, worker_args, ENGINE_WORKER)]
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=worker_env({**env, "GLOO_SOCKET_IFNAME": link}),
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results = []
-        for proc in procs:
-            try:
-                stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                raise
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-        return results
+        return launch_two_nodes(out, worker_args, script=ENGINE_WORKER, host=self.ADDRESSES[0],
+                                node_prefix=lambda node: ["ip", "netns", "exec", self.names[node]],
+                                node_env=lambda node: {"GLOO_SOCKET_IFNAME": self.links[node]})
 
 
 def ip(*args: str) -> None:
@@ -263,7 +248,7 @@ def test_prefill_and_decode_on_two_hosts_over_a_real_network_stack(case, tmp_pat
     assert shutil.which("ip"), "iproute2's ip is needed for the two-host test"
     layout = dict(prefill_instances=1, decode_instances=1)
     with TwoHosts() as hosts:
-        procs = hosts.launch(tmp_path, engine_args(case, [layout], families=FAMILIES[1:]), {})
+        procs = hosts.launch(tmp_path, engine_args(case, [layout], families=FAMILIES[1:]))
     for proc in procs:
         assert proc.returncode == 0, output_tail(proc)
     check_runs(case, read_reports(tmp_path, 2), 1)

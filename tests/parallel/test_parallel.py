@@ -306,13 +306,19 @@ def torchrun(out: Path, launcher_args: list[str], worker_args: list[str], env: d
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
 
-def launch_two_nodes(out: Path, worker_args: list[str], env: dict | None = None) -> list[subprocess.CompletedProcess]:
-    endpoint = f"127.0.0.1:{free_port()}"
+def launch_two_nodes(out: Path, worker_args: list[str], env: dict | None = None, script: Path = WORKER,
+                     host: str = "127.0.0.1", node_prefix=lambda node: [], node_env=lambda node: {},
+                     ) -> list[subprocess.CompletedProcess]:
+    """One torchrun node of one process per "host", rendezvous at `host` (node 0's address); each
+    node's command starts with `node_prefix(node)` (e.g. `ip netns exec NS`) and adds `node_env(node)`."""
+    endpoint = f"{host}:{free_port()}"
     procs = [
         subprocess.Popen(
-            command(out, ["--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=static",
-                          f"--rdzv-endpoint={endpoint}", "--max-restarts=0"], worker_args),
-            cwd=REPO, env=worker_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [*node_prefix(node),
+             *command(out, ["--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=static",
+                            f"--rdzv-endpoint={endpoint}", "--max-restarts=0"], worker_args, script)],
+            cwd=REPO, env=worker_env({**(env or {}), **node_env(node)}), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
         )
         for node in (0, 1)
     ]

@@ -225,6 +225,9 @@ def _run(command: str, o: dict) -> None:
     variants = _variants(o["variant"])
     if command != "throughput" and any(_pipelined(v) for v in variants):
         _fail("a --variant with pipeline_parallel_size runs in `toolkit bench throughput` only")
+    if any(v.get("prefill_instances") or v.get("decode_instances") for v in variants):
+        _fail("disaggregated prefill/decode runs as several processes with its own workload and report: "
+              "`toolkit bench disagg --layout P:D` (against colocated replicas on the same ranks)")
     if o["workload"] not in WORKLOADS:
         _fail(f"unknown --workload {o['workload']}; choose from {', '.join(WORKLOADS)}")
     spec = None

@@ -43,16 +43,19 @@ def main(spec_path: str) -> None:
     # Rank 0's bar: its replica's share, or (a prefill rank) the prompts its instance hands over.
     emit({"event": "phase", "name": "timed run (rank 0's part)", "total": len(mine) if engine.disagg is None else 0})
     stats_before = _role_stats(engine)
-    timings, elapsed = _run(engine, requests, list(mine), "r", lambda n: emit({"event": "advance", "n": n}))
+    tokens: dict[str, list[int]] = {}
+    timings, elapsed = _run(engine, requests, list(mine), "r", lambda n: emit({"event": "advance", "n": n}), tokens)
     parts = [None] * dist.get_world_size() if rank == 0 else None
     mine_out = {"timings": [(t.arrival, t.prompt_len, t.chunks) for t in timings], "elapsed_s": elapsed,
-                "role": _delta(stats_before, _role_stats(engine))}
+                "role": _delta(stats_before, _role_stats(engine)), "tokens": tokens}
     dist.gather_object(mine_out, parts, dst=0)
     if rank == 0:
         everything = [RequestTiming(a, p, [tuple(c) for c in chunks]) for part in parts for a, p, chunks in part["timings"]]
         duration = max(part["elapsed_s"] for part in parts)
+        outputs = {rid: t for part in parts for rid, t in part["tokens"].items()}
         emit({"event": "result", "result": {"startup_s": startup_s, "latency": latency_metrics(everything, duration),
-                                            "roles": [part["role"] for part in parts]}})
+                                            "roles": [part["role"] for part in parts],
+                                            "tokens": [outputs.get(f"r{i}") for i in range(len(requests))]}})
     shutdown()
 
 
@@ -68,9 +71,11 @@ def _share(engine, requests: list[dict]) -> list[int]:
     return split_by_tokens(costs, state.dp_size)[state.dp_rank]
 
 
-def _run(engine, requests: list[dict], mine: list[int], prefix: str, advance) -> tuple[list, float]:
+def _run(engine, requests: list[dict], mine: list[int], prefix: str, advance, tokens: dict | None = None,
+         ) -> tuple[list, float]:
     """Feed `mine` of the requests at their arrival times (seconds after the start) and step until
-    every rank's share is done; returns (this rank's timings of the requests it serves, elapsed)."""
+    every rank's share is done; returns (this rank's timings of the requests it serves, elapsed), and
+    puts the token ids of those it finished in `tokens`."""
     from toolkit import SamplingParams
     from toolkit.cli.bench.metrics import RequestTiming
 
@@ -104,6 +109,8 @@ def _run(engine, requests: list[dict], mine: list[int], prefix: str, advance) ->
             if rid in finished:
                 count = len(finished[rid].outputs[0].token_ids)
                 live.discard(rid)
+                if tokens is not None:
+                    tokens[rid] = finished[rid].outputs[0].token_ids
                 if advance is not None:
                     advance(1)
             else:

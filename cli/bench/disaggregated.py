@@ -126,6 +126,11 @@ def disagg(
             except BenchError as e:
                 err.print(f"error: {e}", style="red", markup=False)
                 raise typer.Exit(1)
+    for (p, d), (label, _) in zip(layouts, systems[len(worlds):]):
+        # Greedy, EOS ignored: the same tokens as the colocated run, up to a float near-tie that
+        # other batch shapes can flip in low precision.
+        peer = results[f"colocated (dp={dp or p + d})"]["tokens"]
+        results[label]["requests_identical_to_colocated"] = sum(a == b for a, b in zip(results[label]["tokens"], peer))
     report = {"workload": workload_summary(requests, rate, long_len), "systems": results,
               "layouts": [f"{p}:{d}" for p, d in layouts]}
     for line in report_lines(report):
@@ -155,6 +160,9 @@ def report_lines(report: dict) -> list[str]:
         lines.append(f"{label:<26} {ttft['median']:>8.1f}ms {ttft['p99']:>8.1f}ms {tpot['median']:>8.1f}ms "
                      f"{tpot['p99']:>8.1f}ms {lat['itl_ms']['p99']:>8.1f}ms {lat['output_tokens_per_s']:>10.1f}")
     for label, res in report["systems"].items():
+        if "requests_identical_to_colocated" in res:
+            lines.append(f"  {label}: {res['requests_identical_to_colocated']} of {w['requests']} requests' tokens "
+                         "identical to the colocated run's")
         for role in (r for r in res["roles"] if r and r["tp_rank"] == 0):
             lines.append(f"  {label}, {role['role']} instance {role['instance']}: " + role_line(role))
     return lines

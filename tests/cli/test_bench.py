@@ -681,3 +681,40 @@ def test_pipeline_variant_runs_two_stages_with_the_plain_runs_tokens(tiny, tmp_p
     assert "idle per stage over the timed run stage 1 (layers 0-0)" in result.output and "bubble model" in result.output
     bad = bench("latency", "--model", tiny, "--variant", '{"pipeline_parallel_size": 2}', *QUICK)
     assert bad.exit_code == 2 and "bench throughput` only" in bad.output
+
+
+def test_mixed_workload_places_long_prompts_among_short_ones_arriving_as_a_seeded_poisson_stream():
+    from toolkit.cli.bench.disaggregated import mixed_workload
+
+    reqs = mixed_workload(40, 3, 50, (4, 9), 6, rate=20.0, vocab_size=VOCAB, seed=1)
+    lens = [len(r["prompt_token_ids"]) for r in reqs]
+    assert lens.count(50) == 3 and all(4 <= n <= 9 for n in lens if n != 50) and lens[:3] != [50] * 3
+    arrivals = [r["arrival_s"] for r in reqs]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals)
+    assert 0.5 < arrivals[-1] / (39 / 20.0) < 2  # 39 gaps of mean 1/20 s
+    assert reqs == mixed_workload(40, 3, 50, (4, 9), 6, rate=20.0, vocab_size=VOCAB, seed=1)
+    assert {r["arrival_s"] for r in mixed_workload(5, 1, 50, (4, 9), 6, 0.0, VOCAB)} == {0.0}
+    with pytest.raises(ValueError, match="long prompts"):
+        mixed_workload(2, 3, 50, (4, 9), 6, 0.0, VOCAB)
+
+
+def test_disagg_bench_runs_colocated_and_disaggregated_on_two_ranks_with_the_same_tokens(tiny, tmp_path):
+    """`toolkit bench disagg`: both systems as 2-process jobs; every request completes with its tokens
+    (float32, greedy: the same in both), and every prompt's KV went from the prefill to the decode
+    instance and is counted on both sides."""
+    report = tmp_path / "disagg.json"
+    result = bench("disagg", "--model", tiny, "--num-requests", 6, "--long-prompts", 1, "--long-len", 40,
+                   "--short-len", 3, 9, "--output-len", 4, "--eager", "--dtype", "float32", "--json", report)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(report.read_text())
+    colocated, disagg = doc["systems"]["colocated (dp=2)"], doc["systems"]["disaggregated 1:1"]
+    for system in (colocated, disagg):
+        assert system["latency"]["completed"] == 6 and system["latency"]["output_tokens"] == 24
+    assert disagg["requests_identical_to_colocated"] == 6 and all(len(t) == 4 for t in disagg["tokens"])
+    prefill, decode = (next(r for r in disagg["roles"] if r["role"] == role) for role in ("prefill", "decode"))
+    assert prefill["kv_run"]["transfers"] == decode["kv_run"]["transfers"] == 6
+    assert prefill["kv_run"]["bytes"] == decode["kv_run"]["bytes"] > 0
+    assert "TTFT p50" in result.output and "decode instance 0" in result.output
+    bad = bench("latency", "--model", tiny, "--variant", '{"prefill_instances": 1, "decode_instances": 1}', *QUICK)
+    assert bad.exit_code == 2 and "toolkit bench disagg" in bad.output
+    assert bench("disagg", "--model", tiny, "--layout", "1-1").exit_code == 2

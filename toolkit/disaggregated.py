@@ -122,11 +122,16 @@ class PrefillRole(_Role):
         self.connector = PrefillConnector(block_size)
         self.worker = KVSender(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__,
                                self.waiter)
-        self._decode_first: dict[str, int] = {}
+        # Global rank 0: the DONE each decode instance's first rank still owes for this call. Their
+        # heartbeats are read every step, so none waits long in a sender's queue.
+        self._done_owed: dict[int, int] = {}
+        self._call_open = False  # rank 0: a generate call has fed a request and not finished yet
 
     def add_request(self, engine, request_id, prompt_token_ids, params: SamplingParams, prompt, priority,
                     arrival_time, cache_salt) -> None:
         seq, p, d = self.route(len(prompt_token_ids), params.max_tokens or engine.max_model_len)
+        if self.disagg.rank == 0 and not self._call_open:  # the first request of a call
+            self._open_call()
         if p != self.disagg.instance.index or not _handoff(prompt_token_ids, params):
             return
         self._tags[request_id] = seq
@@ -141,10 +146,24 @@ class PrefillRole(_Role):
             self.times.queue.append((m.first_scheduled_time or m.finished_time) - m.arrival_time)
             self.times.ttft.append(m.finished_time - m.arrival_time)  # the KV ready to send
         self._ship(engine)
+        if self._done_owed:
+            self._take_done()
         if not engine._groups:
             self.worker.stalled()
             self._idle()
         return []
+
+    def _open_call(self) -> None:
+        self._call_open = True
+        self._done_owed = {inst.ranks[0]: 1 for inst in self.disagg.instances("decode")}
+
+    def _take_done(self) -> bool:
+        """Read what decode instances said (heartbeats, DONE); whether any said something."""
+        got = self.control.receive(self._done_owed)
+        for src, kind, _, _ in got:
+            if kind == DONE:
+                del self._done_owed[src]
+        return bool(got)
 
     def _ship(self, engine) -> None:
         """Send the KV of the requests that just ended (their blocks are still whole: no forward ran
@@ -173,21 +192,19 @@ class PrefillRole(_Role):
         """Global rank 0 waits for every decode instance's DONE before the outputs' gather."""
         if self.disagg.rank != 0:
             return
-        decoders = {inst.ranks[0]: 1 for inst in self.disagg.instances("decode")}
+        if not self._call_open:  # a call that fed no request: every decode instance still says DONE
+            self._open_call()
         last = time.monotonic()
-        while decoders:
-            got = self.control.receive(decoders)
-            for src, kind, _, _ in got:
-                if kind == DONE:
-                    del decoders[src]
-            if got:
+        while self._done_owed:
+            if self._take_done():
                 last = time.monotonic()
             elif time.monotonic() - last > dist_timeout().total_seconds():
-                names = ", ".join(self.disagg.describe(r) for r in decoders)
+                names = ", ".join(self.disagg.describe(r) for r in self._done_owed)
                 raise RuntimeError(f"{self.disagg.describe(0)}: no word from {names} for "
                                    f"{time.monotonic() - last:.0f} s (the collective timeout): hung or dead")
             else:
                 self._idle()
+        self._call_open = False
 
 
 class DecodeRole(_Role):

@@ -49,6 +49,7 @@ def main() -> None:
                 "kv_heads": engine.runner.kv_caches[0].shape[3],
                 "disaggregated": engine.stats()["disaggregated"],
                 "prefix_cache": engine.stats()["prefix_cache"],
+                "compiled_graphs": engine.stats()["graphs"],
                 "metrics": sorted({m.name for m in llm.get_metrics() if m.name.startswith("toolkit:disagg")}),
             })
             del llm, engine

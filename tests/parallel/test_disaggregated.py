@@ -13,7 +13,7 @@ disaggregated mode against the colocated single process.
   instance alone): greedy tokens equal the single process's (which equal transformers'), seeded
   sampling (n=2, logprobs) equals the single process's, and afterwards every KV block on every rank
   is free and no request is left.
-- 1 prefill + 1 decode as two "hosts" in two network namespaces joined by a veth pair.
+- 1 prefill + 1 decode as two "hosts" in two network namespaces joined by a veth pair, compiled.
 - A decode rank that hangs: global rank 0 ends the job within the collective timeout, naming it and
   its role; a prefill rank that hangs: the decode instance does, naming it.
 """
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
-from tests.parallel.test_parallel import (REPO, launch_two_nodes, output_tail, read_reports, single_process,
+from tests.parallel.test_parallel import (COMPILE_BACKEND, REPO, launch_two_nodes, output_tail, read_reports, single_process,
                                          torchrun)
 from tests.parallel.worker import sampled_report
 from toolkit import SamplingParams
@@ -244,11 +244,15 @@ def ip(*args: str) -> None:
 @pytest.mark.slow
 def test_prefill_and_decode_on_two_hosts_over_a_real_network_stack(case, tmp_path):
     """1 prefill + 1 decode, each in its own network namespace: the rendezvous, the control plane
-    and the KV travel over the veth pair, and the tokens are the single process's."""
+    and the KV travel over the veth pair, and the tokens are the single process's. Compiled (the
+    step traced whole, as the parallel suites do), where the other launches here run eagerly."""
     assert shutil.which("ip"), "iproute2's ip is needed for the two-host test"
     layout = dict(prefill_instances=1, decode_instances=1)
     with TwoHosts() as hosts:
-        procs = hosts.launch(tmp_path, engine_args(case, [layout], families=FAMILIES[1:]))
+        procs = hosts.launch(tmp_path, engine_args(case, [layout], "--compile", COMPILE_BACKEND,
+                                                   families=FAMILIES[1:]))
     for proc in procs:
         assert proc.returncode == 0, output_tail(proc)
-    check_runs(case, read_reports(tmp_path, 2), 1)
+    reports = read_reports(tmp_path, 2)
+    check_runs(case, reports, 1)
+    assert all(r["runs"][0]["compiled_graphs"] >= 1 for r in reports), reports

@@ -43,7 +43,9 @@ class BatchRunner:
         jobs = iter(jobs)
         more = True
         while True:
-            while more and self._held() < self.window:
+            # What the engine holds: a disaggregated rank's engine holds (or awaits) only the requests
+            # routed to its instance, while every rank reads every line.
+            while more and self.engine.num_unfinished_requests < self.window:
                 job = next(jobs, None)
                 if job is None:
                     more = False
@@ -56,10 +58,6 @@ class BatchRunner:
                 break
             for out in self.engine.step():
                 self._finish(self.pending.pop(out.request_id), out)
-
-    def _held(self) -> int:
-        # Disaggregated: this rank's engine holds (or awaits) only the requests routed to its instance.
-        return len(self.pending) if self.engine.disagg is None else self.engine.num_unfinished_requests
 
     def _submit(self, job: Job) -> None:
         if job.error is not None:

@@ -59,14 +59,18 @@ class Ranks:
     @property
     def world(self) -> int:
         if self.prefill:
-            return self.prefill * (self.prefill_tp or self.tp) + self.decode * self.tp
+            return self._first_decode + self.decode * self.tp
         return self.tp * self.dp * self.pp
+
+    @property
+    def _first_decode(self) -> int:
+        return self.prefill * (self.prefill_tp or self.tp)
 
     @property
     def decode_instance(self) -> int | None:
         """Disaggregated: the index of this rank's decode instance; None on a prefill rank."""
-        first_decode = self.prefill * (self.prefill_tp or self.tp)
-        return (self.rank - first_decode) // self.tp if self.prefill and self.rank >= first_decode else None
+        first = self._first_decode
+        return (self.rank - first) // self.tp if self.prefill and self.rank >= first else None
 
     @property
     def shards(self) -> int:
@@ -84,8 +88,7 @@ class Ranks:
     @property
     def writer(self) -> bool:  # its replica's first rank (stage 0, TP rank 0): writes the replica's records
         if self.prefill:  # (disaggregated: its decode instance's first rank)
-            first_decode = self.prefill * (self.prefill_tp or self.tp)
-            return self.decode_instance is not None and (self.rank - first_decode) % self.tp == 0
+            return self.decode_instance is not None and (self.rank - self._first_decode) % self.tp == 0
         return self.rank % (self.tp * self.pp) == 0
 
     @property

@@ -133,9 +133,5 @@ class DecodeConnector(KVConnectorScheduler):
     def transfers_failed(self, copies: list[BlockCopy]) -> None:
         raise AssertionError("a failed receive ends the job (the process group is broken)")
 
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
-
     def stats(self) -> dict:
         return vars(self.handoff_stats).copy()

@@ -62,9 +62,8 @@ class RoleTimes:
 class _Role:
     """What both roles share: routing every request, the KV worker, stats."""
 
-    def __init__(self, disagg: Disaggregation, block_size: int):
+    def __init__(self, disagg: Disaggregation):
         self.disagg = disagg
-        self.block_size = block_size
         self.router = Router(disagg.layout)
         self.waiter = SendWaiter()
         self.control = ControlPlane(disagg, self.waiter)
@@ -118,7 +117,7 @@ class _Role:
 
 class PrefillRole(_Role):
     def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int):
-        super().__init__(disagg, block_size)
+        super().__init__(disagg)
         self.connector = PrefillConnector(block_size)
         self.worker = KVSender(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__,
                                self.waiter)
@@ -209,7 +208,7 @@ class PrefillRole(_Role):
 
 class DecodeRole(_Role):
     def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int):
-        super().__init__(disagg, block_size)
+        super().__init__(disagg)
         self.connector = DecodeConnector(block_size)
         self.worker = KVReceiver(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__)
         self._expected: dict[int, _Expected] = {}  # seq -> request awaiting its prefill

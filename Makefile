@@ -14,7 +14,7 @@ $(BIN)/toolkit: pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
-.PHONY: setup run test
+.PHONY: setup run test test-random
 setup: $(BIN)/toolkit
 
 run: setup
@@ -22,3 +22,9 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The property-based tests under hypothesis's random profile (tests/hypothesis_profiles.py): new
+# examples each run, ten times as many. CI runs them derandomized; run this by hand to hunt for bugs.
+HYPOTHESIS_TESTS = $(shell grep -rl --include='test_*.py' '^from hypothesis' tests)
+test-random: setup
+	HYPOTHESIS_PROFILE=random $(BIN)/python -m pytest -q $(HYPOTHESIS_TESTS)

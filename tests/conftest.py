@@ -1,7 +1,22 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the hypothesis profile every test runs under."""
 
 import pytest
 import torch
+
+from tests.hypothesis_profiles import PROFILE, profile_violation  # registers and loads the profile
+
+
+def pytest_report_header(config):
+    return f"hypothesis profile: {PROFILE} (HYPOTHESIS_PROFILE; tests/hypothesis_profiles.py)"
+
+
+def pytest_collection_modifyitems(config, items):
+    """CI must not depend on the draw: no test's own @settings may defeat the profile."""
+    for item in items:
+        own = getattr(getattr(item, "obj", None), "_hypothesis_internal_use_settings", None)
+        why = profile_violation(own) if own is not None else None
+        if why:
+            raise pytest.UsageError(f"{item.nodeid}: {why} (tests/hypothesis_profiles.py)")
 
 
 @pytest.fixture(scope="module")

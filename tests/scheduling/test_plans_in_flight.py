@@ -9,6 +9,7 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.hypothesis_profiles import examples
 from toolkit.scheduling import Request, RequestStatus, Scheduler, SchedulerConfig
 
 
@@ -98,7 +99,7 @@ def test_no_preemption_of_a_request_in_flight():
     assert [s.request_id for s in fifth.scheduled] == ["r0"]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(depth=st.integers(1, 4),
        requests=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12)), min_size=1, max_size=10),
        num_blocks=st.integers(8, 24), budget=st.integers(1, 40))

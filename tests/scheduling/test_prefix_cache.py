@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests.hypothesis_profiles import examples
 from toolkit.scheduling import Request, RequestStatus, Scheduler, SchedulerConfig
 from toolkit.scheduling.block_hash import extend_block_hashes, hash_block
 from toolkit.scheduling.block_pool import BlockPool
@@ -213,7 +214,7 @@ def next_token(request: Request) -> int:
     return (request.num_tokens * 7 + request.prompt_token_ids[-1]) % 5
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), num_blocks=st.integers(7, 16), cpu_blocks=st.sampled_from([0, 3, 12]),
        disk=st.booleans(), swap=st.booleans(), corrupt=st.sampled_from([0.0, 0.3]), budget=st.sampled_from([6, 64]))
 # A preempted request whose re-admission lost its load once kept the count of that re-admission

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.hypothesis_profiles import examples
 from toolkit.scheduling import (
     BlockPool,
     KVCacheManager,
@@ -660,7 +661,7 @@ def build_requests(specs) -> list[Request]:
     return out
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs, specs=request_specs)
 def test_random_workloads_keep_invariants_and_finish(cfg, specs):
     sched = Scheduler(cfg)
@@ -720,7 +721,7 @@ def test_random_workloads_keep_invariants_and_finish(cfg, specs):
             assert r.stop_reason == (expected_tokens[-1] if expected_status is S.FINISHED_STOPPED else None)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     cfg=configs,
     lengths=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)), min_size=3, max_size=6),

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from tests.hypothesis_profiles import examples
 from toolkit.detokenizer import IncrementalDetokenizer
 from toolkit.sampling_params import SamplingParams
 
@@ -87,7 +88,7 @@ def test_a_character_split_over_byte_tokens_appears_whole(byte_level):
     assert detok.output_text == "🙂"
 
 
-@settings(max_examples=80, deadline=None,
+@settings(max_examples=examples(80), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=40), data=st.data())
 def test_any_text_and_chunking_round_trips(byte_level, text, data):

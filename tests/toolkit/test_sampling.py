@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from tests.hypothesis_profiles import examples
 from toolkit.sampler import (Sampler, apply_min_p, apply_penalties, apply_temperature,
                              apply_top_k_top_p, argmax_rows)
 from toolkit.sampling_params import SamplingParams
@@ -206,7 +207,7 @@ def reference_kept(logits_row, params):
     return {i for i in nucleus if probs[i].item() >= params.min_p * top}
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),
     vocab=st.integers(2, 40),

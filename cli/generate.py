@@ -16,12 +16,14 @@ from rich.console import Console
 from toolkit.cli import options as o
 from toolkit.cli.batch import BatchRunner, LineFailed
 from toolkit.cli.default_model import resolve_model
-from toolkit.cli.errors import EXIT_INTERRUPTED, EXIT_LINE_FAILED, CliError, exit_with, stderr_console
+from toolkit.cli.errors import EXIT_LINE_FAILED, CliError, exit_with, stderr_console
 from toolkit.cli.fingerprint import RunFingerprint, Stamped, input_sha, run_fingerprint
 from toolkit.cli.input_file import detect_format, iter_lines
+from toolkit.cli.interrupts import describe, exit_code, interruptible
 from toolkit.cli.jobs import Job, failed, jsonl_job, text_job, with_line_seed
 from toolkit.cli.openai_batch import OpenAIRecords, parse_request
-from toolkit.cli.output_file import OutputLock, RecordWriter, Resume, merge_shards, resume_from, shard_path
+from toolkit.cli.output_file import (OutputLock, RecordWriter, Resume, existing_shards, merge_shards, resume_from,
+                                     shard_path)
 from toolkit.cli.progress import Reporter
 from toolkit.cli.records import NativeRecords
 from toolkit.cli.resume_check import check_input_matches, check_run_matches
@@ -196,35 +198,44 @@ def generate(
                               kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                               preemption_mode=preemption_mode))
     ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp, prefill_instances, decode_instances, prefill_tp)
-    try:
-        if speculative_config is not None:
-            engine["speculative_config"] = o.parse_speculative_config(speculative_config, model)
-        check_disaggregation(engine)
-        if ranks.world > 1:
-            check_parallel_args(io, dp, bool(prefill_instances))
-            if "RANK" not in os.environ:
-                # Before starting tp x dp x pp processes that would all fail.
-                check_model_splits(model, tp, dp, enable_expert_parallel, pp, pp_layer_partition)
-                if prefill_tp is not None:
-                    check_model_splits(model, prefill_tp)
-            from toolkit.parallel import maybe_relaunch
-
-            relaunched = maybe_relaunch(ranks.world)  # outside torchrun: run this command as that many processes
-            if relaunched is not None:
-                raise typer.Exit(relaunched)
+    with interruptible():  # SIGINT and SIGTERM: one line, and the output's lock removed (cli/interrupts.py)
         try:
-            code = (run_prompt(io, model, sampling, engine, ranks) if prompt is not None
-                    else run_file(io, model, sampling, engine, ranks))
-        finally:
+            if speculative_config is not None:
+                engine["speculative_config"] = o.parse_speculative_config(speculative_config, model)
+            check_disaggregation(engine)
             if ranks.world > 1:
-                from toolkit.parallel import shutdown
+                check_parallel_args(io, dp, bool(prefill_instances))
+                if "RANK" not in os.environ:
+                    # Before starting tp x dp x pp processes that would all fail.
+                    check_model_splits(model, tp, dp, enable_expert_parallel, pp, pp_layer_partition)
+                    if prefill_tp is not None:
+                        check_model_splits(model, prefill_tp)
+                from toolkit.parallel import maybe_relaunch
 
-                shutdown()
-    except CliError as e:
-        if not ranks.main:
-            raise typer.Exit(e.code) from None  # every rank hits the same error: rank 0 says it
-        exit_with(e)
+                relaunched = maybe_relaunch(ranks.world)  # outside torchrun: run this command as that many processes
+                if relaunched is not None:
+                    raise typer.Exit(relaunched)
+            try:
+                code = (run_prompt(io, model, sampling, engine, ranks) if prompt is not None
+                        else run_file(io, model, sampling, engine, ranks))
+            finally:
+                if ranks.world > 1:
+                    from toolkit.parallel import shutdown
+
+                    shutdown()
+        except KeyboardInterrupt as e:  # before run_file knew the input's size, or with a single PROMPT
+            what = ("before the completion was printed" if prompt is not None
+                    else "while starting, before any line ran; rerun the same command to start again")
+            end_with(CliError(f"{describe(e)} {what}", code=exit_code(e)), ranks)
+        except CliError as e:
+            end_with(e, ranks)
     raise typer.Exit(code)
+
+
+def end_with(error: CliError, ranks: Ranks) -> None:
+    if not ranks.main:
+        raise typer.Exit(error.code) from None  # every rank hits the same error: rank 0 says it
+    exit_with(error)
 
 
 def check_parallel_args(io: IOArgs, dp: int, disaggregated: bool = False) -> None:
@@ -358,6 +369,27 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
         # A single process may stop here; ranks must all get to the engine (the others wait for rank 0 there).
         if len(resume.done) == total and ranks.world == 1:
             return EXIT_LINE_FAILED if resume.errors else 0
+    stats = RunStats(skipped=len(resume.done), skipped_errors=resume.errors)
+    try:
+        return _generate_file(io, model, base, fmt, run, engine_args, ranks, console, resume, total, stats)
+    except KeyboardInterrupt as e:  # loading, compiling or generating: say how far the output got
+        raise CliError(_interrupted(e, io, ranks, len(resume.done), total, stats), code=exit_code(e)) from None
+
+
+def _interrupted(error: KeyboardInterrupt, io: IOArgs, ranks: Ranks, done: int, total: int, stats: RunStats) -> str:
+    """The one line an interrupted file run ends with (rank 0's; the other ranks print nothing)."""
+    if ranks.shards > 1 or ranks.prefill:  # every writer's records this run are in its shard, flushed per record
+        written = done + sum(p.read_bytes().count(b"\n") for p in existing_shards(io.output))
+    else:
+        written = done + stats.succeeded + stats.errors
+    if io.output is None:
+        return (f"{describe(error)}: {written} of {total} lines have records on stdout; give --output FILE to "
+                "make a run resumable")
+    return f"{describe(error)}: {written} of {total} lines have records in {io.output}; rerun the same command to resume"
+
+
+def _generate_file(io: IOArgs, model: Path | None, base: SamplingParams, fmt: str, run: RunFingerprint,
+                   engine_args: dict, ranks: Ranks, console, resume: Resume, total: int, stats: RunStats) -> int:
     engine = load_engine(model, engine_args, console, io.quiet,
                          text_from=f"plain-text input {io.input}" if fmt == "text" else None)
     if ranks.world > 1:
@@ -367,6 +399,7 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
         dist.broadcast_object_list(shared, src=0)
         done, errors, total = shared[0]
         resume = Resume(done, errors, 0)
+        stats.skipped, stats.skipped_errors = len(done), errors
     # The exit code describes the whole output file, so error records from an earlier run count.
     failed = EXIT_LINE_FAILED if resume.errors else 0
     share = (ranks.replica, ranks.dp) if ranks.dp > 1 else None
@@ -376,7 +409,6 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
         shown_done = sum(1 for line in resume.done if line % ranks.dp == ranks.replica)
     records = OpenAIRecords(str(model or "toolkit-default"), engine.tokenizer) if fmt == "openai" else NativeRecords()
     records = Stamped(records, run)
-    stats = RunStats(skipped=len(resume.done), skipped_errors=resume.errors)
     where = str(io.output) if io.output else "stdout"
     sharded = share is not None or bool(ranks.prefill)
     target = (shard_path(io.output, ranks.shard, ranks.shards) if sharded else io.output) if ranks.writer else None
@@ -391,10 +423,6 @@ def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict,
         except LineFailed as e:
             raise CliError(f"{e} (--fail-fast: stopped; fix the line and rerun with the same --output to resume)",
                            code=EXIT_LINE_FAILED) from None
-        except KeyboardInterrupt:
-            written = stats.succeeded + stats.errors + len(resume.done)
-            raise CliError(f"interrupted: {written}/{total} lines have a record in {where}; rerun the same "
-                           "command to resume", code=EXIT_INTERRUPTED) from None
     stats.spec = engine.stats().get("spec_decode")
     if engine.disagg is None:
         stats.kv = kv_summary(engine)

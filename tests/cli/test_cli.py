@@ -607,7 +607,7 @@ def test_sigint_says_what_was_written_and_a_rerun_resumes(ckpt, tmp_path):
     _, stderr = proc.communicate(timeout=60)
     written = out.read_bytes().count(b"\n")
     assert proc.returncode == 130, stderr
-    assert f"interrupted: {written}/30 lines have a record in {out}; rerun the same command to resume" in stderr
+    assert f"interrupted: {written} of 30 lines have records in {out}; rerun the same command to resume" in stderr
     assert "Traceback" not in stderr
     result = generate(ckpt, "-i", prompts, "-o", out, *RESUME_FLAGS)
     assert result.exit_code == 0 and sorted(by_line(out)) == list(range(1, 31))

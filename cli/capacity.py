@@ -16,7 +16,6 @@ from toolkit.attention.kv_cache import kv_cache_bytes_per_token, num_blocks_for_
 from toolkit.config import ModelConfig
 from toolkit.weights import IGNORED_SUFFIXES, checkpoint_files, open_checkpoint_file
 
-TP_SIZES = (1, 2, 4, 8)
 DEFAULT_BUDGETS = ("16GiB", "24GiB", "80GiB", "141GiB")  # common GPU sizes: L4/A10-class, 4090, A100/H100, H200
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,12 +48,6 @@ def checkpoint_size(config: ModelConfig) -> CheckpointSize:
 def _itemsize(safetensors_dtype: str) -> int:
     return {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1,
             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}.get(safetensors_dtype, 4)
-
-
-def valid_tp(config: ModelConfig, tp: int) -> bool:
-    """Heads must split evenly; kv heads either split evenly or are replicated evenly."""
-    kv = config.num_kv_heads
-    return config.num_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
 
 
 def kv_heads_per_rank(config: ModelConfig, tp: int) -> int:
@@ -93,5 +86,9 @@ def capacity(config: ModelConfig, dtype: torch.dtype, memory_bytes: int, tp: int
 
 def capacity_table(config: ModelConfig, dtype: torch.dtype, budgets: list[int], block_size: int,
                    max_model_len: int) -> list[CapacityRow]:
+    """A row per budget and per tensor-parallel size the engine can split the model into (every one:
+    a 9-head, 3-kv-head model runs at TP 3, not only at the powers of two)."""
+    from toolkit.parallel.tensor_parallel import valid_tp_sizes
+
     return [capacity(config, dtype, memory, tp, block_size, max_model_len)
-            for memory in budgets for tp in TP_SIZES if valid_tp(config, tp)]
+            for memory in budgets for tp in valid_tp_sizes(config)]

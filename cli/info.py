@@ -15,15 +15,16 @@ from rich.table import Table
 
 from toolkit.attention.kv_cache import kv_cache_bytes_per_token
 from toolkit.cli import capacity as cap
-from toolkit.cli.default_model import check_model_folder
-from toolkit.cli.errors import CliError, exit_with
+from toolkit.cli.default_model import check_model_folder, resolve_model
+from toolkit.cli.errors import CliError, exit_with, stderr_console
 from toolkit.cli.options import VerboseOpt
 from toolkit.cli.sizes import format_size, parse_size
 
 
 def info(
-    model: Annotated[Path, typer.Argument(help="Hugging Face model folder (config.json and *.safetensors).",
-                                          show_default=False)],
+    model: Annotated[Optional[Path], typer.Argument(
+        help="Hugging Face model folder (config.json and *.safetensors). Default: the built-in model.",
+        show_default=False)] = None,
     memory: Annotated[Optional[list[int]], typer.Option(
         parser=parse_size, metavar="SIZE", show_default=False,
         help="Memory per GPU for weights + KV cache, e.g. 16GiB (repeatable). "
@@ -40,11 +41,15 @@ def info(
 
     Shows the architecture, the parameter count (cross-checked against the safetensors headers),
     weight bytes per dtype, KV-cache bytes per token, and for each memory budget and each
-    tensor-parallel size the head counts allow: the KV tokens and concurrent max_model_len requests
+    tensor-parallel size the model can be split into: the KV tokens and concurrent max_model_len requests
     that fit per GPU.
 
     Not counted: activations, CUDA graphs, the CUDA context (leave ~10% of the GPU for them)."""
     try:
+        if model is None:  # the model `toolkit generate` runs without --model
+            model = resolve_model(None, lambda message: None)
+            stderr_console().print(f"no MODEL given: describing the built-in model, {escape(str(model))}",
+                                   soft_wrap=True)
         report = build_report(model, memory or [parse_size(m) for m in cap.DEFAULT_BUDGETS], dtype,
                               max_model_len, block_size)
     except CliError as e:

@@ -740,6 +740,22 @@ def test_default_model_falls_back_to_a_cached_random_llama(tmp_path, monkeypatch
 # --- info -------------------------------------------------------------------------------------
 
 
+def test_info_without_a_model_describes_the_built_in_one():
+    result = toolkit("info", "--json", "--memory", "1GiB")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["model"] == str(demo_model.TRAINED_MODEL)
+    assert f"describing the built-in model, {demo_model.TRAINED_MODEL}" in result.stderr
+
+
+def test_info_lists_every_tp_size_the_model_splits_into(tmp_path):
+    # 9 heads, 3 kv heads (as SmolLM2-135M): TP 3 and 9 run, not only the powers of two that divide 9.
+    path = write_checkpoint(tmp_path / "nine", "llama3", num_attention_heads=9, num_key_value_heads=3,
+                            hidden_size=72, intermediate_size=144)
+    result = toolkit("info", path, "--json", "--memory", "1GiB")
+    assert result.exit_code == 0, result.output
+    assert [r["tp"] for r in json.loads(result.stdout)["capacity"]] == [1, 3, 9]
+
+
 @pytest.mark.parametrize("family", ["llama3", "tied_mqa"])
 def test_info_figures_match_the_checkpoint_tensors(family, tmp_path):
     path = write_checkpoint(tmp_path / family, family, seed=0)

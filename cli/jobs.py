@@ -153,12 +153,16 @@ def token_ids(value, name: str) -> list[int]:
 
 
 def encode(engine, job: Job) -> list[int]:
-    """The job's prompt as token ids, checked against the model (vocabulary, max_model_len)."""
+    """The job's prompt as token ids, checked against the model (vocabulary, max_model_len). A chat
+    job's `prompt` becomes the text its chat template rendered (what its record carries, as vLLM's
+    RequestOutput.prompt does)."""
     try:
         if job.prompt_token_ids is not None:
             ids = job.prompt_token_ids
         elif job.messages is not None:
             ids = render_chat(engine.tokenizer, job.messages)
+            job.prompt = engine.tokenizer.apply_chat_template(job.messages, add_generation_prompt=True,
+                                                              tokenize=False)
         else:
             ids = engine.tokenize(job.prompt)
     except LineError:

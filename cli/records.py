@@ -13,10 +13,10 @@ from toolkit.outputs import CompletionOutput, RequestOutput
 class NativeRecords:
     def success(self, job: Job, out: RequestOutput) -> dict:
         completion = sum(len(c.token_ids) for c in out.outputs)
-        return {
-            "id": job.id,
-            "line": job.line,
-            "prompt": job.prompt,
+        record = {"id": job.id, "line": job.line}
+        if job.prompt is not None:  # the text given, or a chat line's rendered template; none for token ids
+            record["prompt"] = job.prompt
+        return record | {
             "outputs": [_completion(c) for c in out.outputs],
             "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
                       "total_tokens": len(out.prompt_token_ids) + completion},

@@ -221,6 +221,11 @@ def test_jsonl_prompts_messages_token_ids_and_overrides_match_llm(ckpt, llm, tmp
         assert record["usage"]["prompt_tokens"] == len(expected[rid].prompt_token_ids)
         assert record["metrics"]["ttft_s"] <= record["metrics"]["e2e_s"]
     assert records[4]["outputs"][0]["finish_reason"] == "stop"  # the stop string really fired
+    # The prompt as given; a chat line's as its template rendered it; none for token ids (not null).
+    assert records["a"]["prompt"] == "the cat sat on"
+    assert records[7]["prompt"] == llm.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                            tokenize=False)
+    assert "hello world" in records[7]["prompt"] and "prompt" not in records["c"]
 
 
 def test_plain_text_to_stdout_in_small_windows(ckpt, llm, tmp_path):

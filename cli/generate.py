@@ -24,7 +24,7 @@ from toolkit.cli.jobs import Job, failed, jsonl_job, text_job, with_line_seed
 from toolkit.cli.openai_batch import OpenAIRecords, parse_request
 from toolkit.cli.output_file import (OutputLock, RecordWriter, Resume, existing_shards, merge_shards, resume_from,
                                      shard_path)
-from toolkit.cli.progress import Reporter
+from toolkit.cli.progress import Reporter, ShardCounter
 from toolkit.cli.records import NativeRecords
 from toolkit.cli.resume_check import check_input_matches, check_run_matches
 from toolkit.cli.stats import (RunStats, combine_handoff, combine_kv, combine_spec, kv_summary, print_summary,
@@ -403,36 +403,36 @@ def _generate_file(io: IOArgs, model: Path | None, base: SamplingParams, fmt: st
     # The exit code describes the whole output file, so error records from an earlier run count.
     failed = EXIT_LINE_FAILED if resume.errors else 0
     share = (ranks.replica, ranks.dp) if ranks.dp > 1 else None
-    shown_total, shown_done = total, len(resume.done)
-    if share is not None and ranks.main:  # the bar counts this replica's lines
-        shown_total = sum(1 for line, _ in iter_lines(io.input) if line % ranks.dp == ranks.replica)
-        shown_done = sum(1 for line in resume.done if line % ranks.dp == ranks.replica)
+    # --dp: rank 0's bar counts every replica's records, read from their shards (cli/progress.py).
+    follow = ShardCounter([shard_path(io.output, i, ranks.dp) for i in range(ranks.dp)]) if share else None
     records = OpenAIRecords(str(model or "toolkit-default"), engine.tokenizer) if fmt == "openai" else NativeRecords()
     records = Stamped(records, run)
     where = str(io.output) if io.output else "stdout"
     sharded = share is not None or bool(ranks.prefill)
     target = (shard_path(io.output, ranks.shard, ranks.shards) if sharded else io.output) if ranks.writer else None
     # Disaggregated: the decode instances write; rank 0 (a prefill rank) shows no bar, only the summary.
-    with RecordWriter(target) as writer, \
-            Reporter(console, shown_total, shown_done, not io.quiet and ranks.main and not ranks.prefill) as reporter:
-        write = writer.write if ranks.writer else (lambda record: None)
-        runner = BatchRunner(engine, records, write, stats, reporter, io.window, io.fail_fast,
-                             write if ranks.writes_failures else (lambda record: None))
-        try:
-            runner.run(read_jobs(io.input, fmt, base, resume.done, share))
-        except LineFailed as e:
-            raise CliError(f"{e} (--fail-fast: stopped; fix the line and rerun with the same --output to resume)",
-                           code=EXIT_LINE_FAILED) from None
-    stats.spec = engine.stats().get("spec_decode")
-    if engine.disagg is None:
-        stats.kv = kv_summary(engine)
-    else:  # a decode instance's prefix cache sees none of the prompts: the prefill instances compute them
-        kv = engine.stats()["disaggregated"]["kv"]
-        stats.handoff = {k: kv[k] for k in ("transfers", "bytes", "seconds_total")}
-    stats.pipeline = engine.pipeline_stats()  # a collective over the replica's ranks
-    if sharded:
+    # The bar stays up until every replica is done (the gather below), so its last count is the job's.
+    with Reporter(console, total, len(resume.done), not io.quiet and ranks.main and not ranks.prefill,
+                  follow) as reporter:
+        with RecordWriter(target) as writer:
+            write = writer.write if ranks.writer else (lambda record: None)
+            runner = BatchRunner(engine, records, write, stats, reporter, io.window, io.fail_fast,
+                                 write if ranks.writes_failures else (lambda record: None))
+            try:
+                runner.run(read_jobs(io.input, fmt, base, resume.done, share))
+            except LineFailed as e:
+                raise CliError(f"{e} (--fail-fast: stopped; fix the line and rerun with the same --output to "
+                               "resume)", code=EXIT_LINE_FAILED) from None
+        stats.spec = engine.stats().get("spec_decode")
+        if engine.disagg is None:
+            stats.kv = kv_summary(engine)
+        else:  # a decode instance's prefix cache sees none of the prompts: the prefill instances compute them
+            kv = engine.stats()["disaggregated"]["kv"]
+            stats.handoff = {k: kv[k] for k in ("transfers", "bytes", "seconds_total")}
+        stats.pipeline = engine.pipeline_stats()  # a collective over the replica's ranks
         # Also the barrier: once rank 0 has every writer's stats, every shard is complete and closed.
-        parts = _gather_writers(engine, stats)
+        parts = _gather_writers(engine, stats) if sharded else None
+    if sharded:
         if not ranks.main:
             return 0
         merge_shards(io.output)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,8 +97,12 @@ def test_dp_resumes_from_an_interrupted_runs_shard(case, tmp_path):
     assert merge_shards(out) == 1 and not shard.exists()
     assert list(by_line(out)) == [1]
     shard.write_text('{"id": 5, "li')  # as if the relaunched run were killed again before writing
-    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *FLAGS, "--dp", "2")
+    with_bar = [f for f in FLAGS if f != "--quiet"]
+    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *with_bar, "--dp", "2")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # The bar (its last state, as printed when stderr is not a terminal) counts the whole job, the
+    # line found done included, not rank 0's replica's share (which was "2/2").
+    assert re.search(r"generating .* 4/4 ", proc.stderr), proc.stderr[-4000:]
     got = by_line(out)
     assert sorted(got) == sorted(expected)
     assert all(got[line] == expected[line] for line in expected if line != 1)

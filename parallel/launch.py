@@ -64,10 +64,12 @@ def die_with_parent() -> None:
 def relaunch(nproc: int, argv: list[str] | None = None) -> int:
     """Run `argv` (default: this process's command line) as nproc processes; their exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", *_this_program(argv)])
     log.info("relaunching as %d processes through torch.distributed.run", nproc)
+    set_threads_per_process(nproc)
     # The agent runs in this process, so it dies with it; the workers check they are its children.
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
@@ -76,7 +78,25 @@ def relaunch(nproc: int, argv: list[str] | None = None) -> int:
         codes = [f.exitcode for f in e.failures.values()]
         log.error("the job failed: %s", ", ".join(f"rank {r} exit code {f.exitcode}" for r, f in e.failures.items()))
         return next((c for c in codes if c and c > 0), 1)
+    except SignalException as e:
+        # SIGINT/SIGTERM reached the agent, which passed it on to the workers and waited for them: they
+        # have said what they got done (toolkit/cli/interrupts.py). Exit as the signal would have.
+        return 128 + int(e.sigval)
     return 0
+
+
+def set_threads_per_process(nproc: int) -> int:
+    """OMP_NUM_THREADS for each of the nproc workers: this machine's cores shared out, unless the user
+    set it. (torchrun would otherwise set 1, with a four-line banner on every launch.) Says so once."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // nproc)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    sys.stderr.write(f"note: {nproc} processes on {cores} cores: {threads} thread{'s' if threads > 1 else ''} each "
+                     "(set OMP_NUM_THREADS to choose)\n")
+    sys.stderr.flush()
+    return threads
 
 
 def _this_program(argv: list[str] | None) -> list[str]:

@@ -70,6 +70,8 @@ def relaunch(nproc: int, argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", *_this_program(argv)])
     log.info("relaunching as %d processes through torch.distributed.run", nproc)
     set_threads_per_process(nproc)
+    for name in _SIGNAL_LOGGERS:  # the workers' own one line says what an interrupt left; not the agent's three
+        logging.getLogger(name).addFilter(_not_about_a_signal)
     # The agent runs in this process, so it dies with it; the workers check they are its children.
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
@@ -83,6 +85,14 @@ def relaunch(nproc: int, argv: list[str] | None = None) -> int:
         # have said what they got done (toolkit/cli/interrupts.py). Exit as the signal would have.
         return 128 + int(e.sigval)
     return 0
+
+
+_SIGNAL_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+def _not_about_a_signal(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ("death signal, shutting down workers" in message or "closing signal" in message)
 
 
 def set_threads_per_process(nproc: int) -> int:

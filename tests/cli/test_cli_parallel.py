@@ -184,3 +184,34 @@ def _cmdline(process) -> list[str]:
         return process.cmdline()
     except Exception:  # it exited (or is not ours to read) between listing and reading
         return []
+
+
+def test_sigterm_of_a_dp_run_is_one_line_from_rank_0(case, tmp_path):
+    """The agent passes the signal on to the workers; rank 0 counts every replica's records (the
+    shards, left for the rerun to merge) and removes the lock; the agent's own log lines are not shown."""
+    import signal
+    import time
+
+    ckpt, _, _ = case
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"the cat number {i} sat on\n" for i in range(200)))
+    long = ["--max-tokens", "48", "--ignore-eos", "--max-num-seqs", "1"]
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "toolkit.cli.main", "generate", "-m", ckpt, "-i", prompts, "-o", out, *FLAGS, *long,
+           "--dp", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not any(p.stat().st_size for p in tmp_path.glob("out.jsonl.dp*")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 143, stderr[-3000:]
+    written = sum(p.read_bytes().count(b"\n") for p in tmp_path.glob("out.jsonl*") if not p.name.endswith(".lock"))
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith("note: 2 processes on "), stderr  # OMP_NUM_THREADS, said once
+    assert lines[1] == (f"error: interrupted (SIGTERM): {written} of 200 lines have records in {out}; "
+                        "rerun the same command to resume"), stderr
+    assert not Path(f"{out}.lock").exists()

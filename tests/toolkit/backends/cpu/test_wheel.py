@@ -39,11 +39,33 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def test_installed_wheel_ships_and_builds_its_kernels(tmp_path):
+def source_copy(tmp_path: Path) -> Path:
     # A copy of the tree without build outputs: setuptools would reuse a stale build/ in place.
     skip = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis")
-    source = Path(shutil.copytree(REPO, tmp_path / "src", ignore=lambda folder, names: skip(folder, names) | (
+    return Path(shutil.copytree(REPO, tmp_path / "src", ignore=lambda folder, names: skip(folder, names) | (
         {n for n in names if n.startswith("out")} if Path(folder) == REPO else set())))
+
+
+def test_the_wheel_builds_without_warnings_and_ships_every_data_file(tmp_path):
+    """`make run` installs the package: a data folder missing from `packages` gave a "Package would be
+    ignored" warning block each (toolkit.default_model.draft among them)."""
+    import zipfile
+
+    source = source_copy(tmp_path)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    output = built.stdout + built.stderr
+    assert "would be ignored" not in output and "absent from the `packages`" not in output, output[-5000:]
+    (wheel,) = (tmp_path / "dist").glob("toolkit-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    data = [p for folder in ("toolkit/default_model", "toolkit/backends/cpu/csrc")
+            for p in (REPO / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert data and {str(p.relative_to(REPO)) for p in data} <= shipped
+
+
+def test_installed_wheel_ships_and_builds_its_kernels(tmp_path):
+    source = source_copy(tmp_path)
     dist = tmp_path / "dist"
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                             "-w", str(dist), str(source)], capture_output=True, text=True, timeout=600)

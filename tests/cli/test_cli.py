@@ -598,7 +598,7 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_loads(ckpt, tmp
 
 
 def test_sigint_says_what_was_written_and_a_rerun_resumes(ckpt, tmp_path):
-    prompts = prompts_file(tmp_path, 30)
+    prompts = prompts_file(tmp_path, 300)  # still generating (~1 s) when the signal comes
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "toolkit.cli.main", "generate", "-i", prompts, "-o", out, "-m", ckpt, *ENGINE_FLAGS,
            *RESUME_FLAGS]
@@ -612,10 +612,10 @@ def test_sigint_says_what_was_written_and_a_rerun_resumes(ckpt, tmp_path):
     _, stderr = proc.communicate(timeout=60)
     written = out.read_bytes().count(b"\n")
     assert proc.returncode == 130, stderr
-    assert f"interrupted: {written} of 30 lines have records in {out}; rerun the same command to resume" in stderr
+    assert f"interrupted: {written} of 300 lines have records in {out}; rerun the same command to resume" in stderr
     assert "Traceback" not in stderr
     result = generate(ckpt, "-i", prompts, "-o", out, *RESUME_FLAGS)
-    assert result.exit_code == 0 and sorted(by_line(out)) == list(range(1, 31))
+    assert result.exit_code == 0 and sorted(by_line(out)) == list(range(1, 301))
 
 
 def test_an_empty_input_file_says_so(ckpt, tmp_path):

@@ -89,6 +89,15 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)
     kv_transfer: KVTransferPlan | None = None  # block copies to run before the forward (kv_transfer.py)
+    # Requests that ended since the last plan, and those a failed KV load sent back to waiting: per-request
+    # state outside the scheduler (the sampler's, a draft proposer's) is dropped from these, not by hand.
+    finished_ids: list[str] = field(default_factory=list)
+    requeued: list[str] = field(default_factory=list)
+
+    @property
+    def released(self) -> list[str]:
+        """Requests whose blocks were freed since the last plan (finished, preempted or requeued)."""
+        return self.finished_ids + self.preempted + self.requeued
 
 
 @dataclass
@@ -120,6 +129,7 @@ class Scheduler:
         # Scheduled in a plan whose update() has not come yet (several plans in flight: pipeline
         # parallelism). Such a request is neither scheduled again nor preempted until it has.
         self._in_step: set[str] = set()
+        self._finished_ids: list[str] = []  # since the last plan (SchedulerOutput.finished_ids)
         self._arrivals = itertools.count()
         self.num_preemptions = 0  # since start
 
@@ -192,6 +202,7 @@ class Scheduler:
         del self._requests[request.request_id]
         del self._keys[request.request_id]
         self._in_step.discard(request.request_id)
+        self._finished_ids.append(request.request_id)
 
     def has_unfinished(self) -> bool:
         # Pending rejections count: the engine must call schedule() once more to report them.
@@ -234,8 +245,8 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(rejected=self._rejected)
-        self._rejected = []
+        out = SchedulerOutput(rejected=self._rejected, finished_ids=self._finished_ids)
+        self._rejected, self._finished_ids = [], []
         budget = self.config.max_num_batched_tokens
         ready = [r for r in self._running if r.request_id not in self._in_step]
         decodes = [r for r in ready if r.num_tokens - r.num_computed_tokens == 1]
@@ -449,6 +460,7 @@ class Scheduler:
                 request.num_cached_tokens = -1
             output.num_batched_tokens -= self._requeue(request, output)
             requeued.append(request.request_id)
+        output.requeued += requeued
         # Their other loads arrived for nothing: the request recomputes, so no hit either side counts.
         self.connector.loads_dropped([c for c in output.kv_transfer.loads
                                       if c.block_id in dropped and c.block_id not in bad])
@@ -473,9 +485,11 @@ class Scheduler:
 
     # ---- after the model ran ------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+               drafts: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance the scheduled requests, append sampled tokens, run stop checks; returns the requests
-        that finished (stopped or length) here."""
+        that finished (stopped or length) here. `drafts`: the next step's speculative tokens of requests
+        that go on (proposed where the logits were, from the tokens this update appends)."""
         self._count_admissions()
         finished = []
         for scheduled in output.scheduled:
@@ -507,6 +521,8 @@ class Scheduler:
                 self._running.remove(request)
                 self._finish(request, status)
                 finished.append(request)
+            elif drafts:
+                request.spec_token_ids = list(drafts.get(request.request_id, ()))
         return finished
 
     def _name_computed_blocks(self, request: Request) -> None:

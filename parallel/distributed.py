@@ -10,7 +10,7 @@ Mesh: `init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 so a TP group is consecutive ranks (one node's devices), then the pipeline stages of a replica
 (parallel/pipeline.py), then the replicas. Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
 Expert parallelism has no mesh dimension of its own: its group is every rank (tp x dp, as vLLM's),
-built in parallel/expert_parallel.py.
+or with pipeline stages every rank of one stage in every replica (dp x tp of that stage).
 """
 
 from __future__ import annotations
@@ -179,19 +179,33 @@ def setup_parallel(tp: int, dp: int, device: str | torch.device | None, model_co
         from toolkit.parallel.expert_parallel import ExpertParallel
 
         ep = ExpertParallel(model_config, tp_group=tp_helper.group if tp_helper else None,
-                            tp_rank=mesh.get_local_rank("tp"), tp_size=tp)
+                            tp_rank=mesh.get_local_rank("tp"), tp_size=tp, group=_expert_group(mesh, dp, pp, tp))
         # Every rank enters each MoE layer's all-to-all once per step: the replicas step together.
         lockstep = Lockstep(dist.new_group(backend="gloo", timeout=dist_timeout())) if dp > 1 else None
     pipeline = _pipeline(mesh, stage_sizes, model_config, tp, dp) if pp > 1 else None
     state = ParallelState(mesh, device, tp_helper, gather_group, ep, lockstep, pipeline)
     log.info(
         "parallel: world %d = dp %d x pp %d x tp %d%s, backend %s, device %s, collective timeout %.0f s",
-        world, dp, pp, tp, f", experts over all {world} ranks ({ep.num_local_experts} each)" if ep else "",
+        world, dp, pp, tp, f", experts over {ep.size} ranks ({ep.num_local_experts} each)" if ep else "",
         dist.get_backend(), device.type, dist_timeout().total_seconds(),
     )
     if pipeline is not None:
         log.info("pipeline: layers per stage %s", ",".join(map(str, stage_sizes)))
     return state
+
+
+def _expert_group(mesh: DeviceMesh, dp: int, pp: int, tp: int):
+    """Expert parallelism's group: every rank (dp x tp), or with pipeline stages every rank of this
+    rank's stage in every replica (a stage's MoE layers are only there)."""
+    if pp == 1:
+        return None  # the world
+    mine = None
+    for stage in range(pp):  # every rank builds every stage's group, in the same order
+        ranks = [(d * pp + stage) * tp + t for d in range(dp) for t in range(tp)]
+        group = dist.new_group(ranks, backend="gloo" if mesh.device_type == "cpu" else None, timeout=dist_timeout())
+        if stage == mesh.get_local_rank("pp"):
+            mine = group
+    return mine
 
 
 def _pipeline(mesh: DeviceMesh, stage_sizes: list[int], model_config, tp: int, dp: int):

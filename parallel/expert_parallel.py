@@ -216,12 +216,13 @@ class ExpertDispatcher:
 
 
 class ExpertParallel:
-    """This rank's place in the EP group (all ranks), its experts, and the all-to-all counters."""
+    """This rank's place in the EP group (every rank; under pipeline parallelism every rank of its
+    stage, in every replica), its experts, and the all-to-all counters."""
 
-    def __init__(self, config, tp_group=None, tp_rank: int = 0, tp_size: int = 1):
-        self.group = dist.group.WORLD
-        self.rank = dist.get_rank()
-        self.size = dist.get_world_size()
+    def __init__(self, config, tp_group=None, tp_rank: int = 0, tp_size: int = 1, group=None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
         check_expert_parallel(config, self.size)
         self.num_experts = num_experts(config)
         self.experts = expert_range(self.num_experts, self.rank, self.size)

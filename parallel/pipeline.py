@@ -13,8 +13,8 @@ the stages before the last, from the second-to-last backwards (the last stage al
 the lm_head). `pp_layer_partition="4,4,5,3"` overrides it.
 
 `PipelineParallel` is one rank's stage and its links (hidden states by point-to-point, the sampled
-tokens back by broadcast, per-stage busy and idle time); the engine's pipelined step drives it
-(toolkit/engine.py).
+tokens back by broadcast, per-stage busy and idle time); the pipeline executor drives it
+(toolkit/executor/pipeline.py).
 
 Leaf module: torch only; it reads the model's module names, never imports toolkit.
 """
@@ -145,12 +145,6 @@ class StageStats:
         return out
 
 
-@dataclass
-class _StepKind:
-    decode: bool = False
-    in_flight: int = 0
-
-
 def _fraction(idle: float, busy: float) -> float:
     return idle / (idle + busy) if idle + busy > 0 else 0.0
 
@@ -169,10 +163,13 @@ class PipelineParallel:
         self.group = mesh["pp"].get_group()
         self.replica_group = None
         rank = dist.get_rank()
-        for ranks in replicas:  # every rank builds every replica's group, in the same order
+        for ranks in replicas:  # every rank builds every replica's groups, in the same order
             group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            # Agreements made while results are in flight need their own group: collectives on one group
+            # must come in one order on every rank, and the result broadcasts are posted ahead.
+            agree = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if rank in ranks:
-                self.replica_group, self.replica_ranks = group, ranks
+                self.replica_group, self.agree_group, self.replica_ranks = group, agree, ranks
         self.rank, self.tp_size = rank, tp_size
         self.result_src = self.replica_ranks[(stage.size - 1) * tp_size]  # the last stage's TP rank 0
         self.is_result_src = rank == self.result_src
@@ -186,6 +183,8 @@ class PipelineParallel:
         self._ahead = None
         self._owed = None  # a one-row tensor shaped like this stage's last send, when one is owed
         self._cpu = mesh.device_type == "cpu"
+        self._turn_end: float | None = None  # when this rank's last engine turn ended (None: idle since)
+        self._idle_mark = 0.0
 
     def receive_ahead(self, max_rows: int) -> None:
         """On CPU (gloo), keep the receive for the next plan's hidden states posted ahead, sized for the
@@ -224,6 +223,7 @@ class PipelineParallel:
         calls it when it has no request left): the receives posted ahead are ended by a one-row
         message from the stage before, so none is left pending for the process group's teardown or
         the next engine; the next plan posts afresh."""
+        self._turn_end = None
         if self._owed is not None:
             end, self._owed = self._owed, None
             self._sends.append((dist.isend(end, group=self.group, group_dst=self.stage.index + 1), end))
@@ -283,23 +283,27 @@ class PipelineParallel:
         dist.all_gather_object(out, self.report(), group=self.replica_group)
         return out
 
-    @contextmanager
-    def timed_step(self):
-        """Account one engine step of this rank: its wall time, less what it spent waiting, is busy.
-        The step says what it was: `.decode` (its plan is decode-only), `.in_flight` (plans after it)."""
-        step = _StepKind()
-        start, idle_before = time.perf_counter(), self._idle
-        try:
-            yield step
-        finally:
-            total, idle = time.perf_counter() - start, self._idle - idle_before
-            s = self.stats
-            s.busy_s += total - idle
-            s.idle_s += idle
-            if step.decode:
-                s.decode_busy_s += total - idle
-                s.decode_idle_s += idle
-            s.max_in_flight = max(s.max_in_flight, step.in_flight)
+    def end_turn(self, decode: bool, in_flight: int, began: float) -> None:
+        """Account the engine turn of this rank that ends now: from the end of the previous turn (or
+        `began`, after the engine was idle), its wall time less what it spent waiting is busy.
+        `decode`: its plan is decode-only; `in_flight`: plans in flight during it."""
+        now = time.perf_counter()
+        total = now - (self._turn_end if self._turn_end is not None else began)
+        idle = self._idle - self._idle_mark
+        s = self.stats
+        s.busy_s += total - idle
+        s.idle_s += idle
+        if decode:
+            s.decode_busy_s += total - idle
+            s.decode_idle_s += idle
+        s.max_in_flight = max(s.max_in_flight, in_flight)
+        self._turn_end, self._idle_mark = now, self._idle
+
+    def agree_any(self, flags: list[bool]) -> list[bool]:
+        """Per position, whether any rank of the replica set it (a KV load that failed on one stage)."""
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.agree_group)
+        return [bool(v) for v in t.tolist()]
 
     @contextmanager
     def _waiting(self, what: str):

@@ -1,10 +1,13 @@
-"""Speculative decoding inside the engine: propose after a step, verify in the next one.
+"""Speculative decoding in the worker that holds the logits: verify a step's drafts, propose the next.
 
-`Speculator` is what the engine holds when `speculative_config` is set. After each step it gives
-every decoding request its drafts (`propose`: n-gram lookup or the draft model), which the scheduler
-feeds after the request's last token; the step computes logits at all 1 + k positions in the same
-compiled graph as any other step, and `verify` keeps what the rejection sampler accepts. Its counters
-are vLLM's spec-decode metrics.
+`Speculator` is what a worker holds when `speculative_config` is set. On the rank that holds the
+logits (one process, TP rank 0, a pipeline's last stage) a step's sampling requests are verified
+(`verify`: the rejection sampler), and each request that goes on gets its next drafts at once, from
+its tokens as the update will leave them (`propose`: n-gram lookup or the draft model, which lives
+on that rank only). The drafts travel to every rank in the step's one result, and the scheduler
+feeds them after the request's last token; the step computes logits at all 1 + k positions in the
+same compiled graph as any other step. Its counters are vLLM's spec-decode metrics, counted on every
+rank from the retired plans (`count`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from toolkit.scheduling import Request, Scheduler, SchedulerOutput
+from toolkit.scheduling import Request, SchedulerOutput
 from toolkit.speculative.config import SpeculativeConfig
 from toolkit.speculative.ngram import NgramProposer
 from toolkit.speculative.rejection import RejectionSampler, Verified
@@ -54,24 +57,27 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    def __init__(self, spec: SpeculativeConfig, config, model_config, sampler: Sampler, num_blocks: int, tp=None):
+    def __init__(self, spec: SpeculativeConfig, config, model_config, sampler: Sampler, num_blocks: int,
+                 drafts_here: bool = True):
         """`config` is the target's resolved EngineConfig; the draft model gets the same dtype, device,
-        block size, context length and compile settings, and the target's block count."""
-        self.spec, self.tp = spec, tp
+        block size, context length and compile settings, and the target's block count. `drafts_here`:
+        whether this rank holds the logits (a pipeline's last stage, TP rank 0): only there is a draft
+        model loaded, drafts proposed and verified; every rank counts the statistics."""
+        self.spec = spec
         self.rejection = RejectionSampler(sampler)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * spec.k)
         self.draft = None
         self.ngram = None
         if spec.method == "ngram":
             self.ngram = NgramProposer(spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        else:
+        elif drafts_here:
             self.draft = _draft_proposer(spec, config, model_config, sampler, num_blocks)
         self._draft_probs: dict[str, torch.Tensor | None] = {}
 
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots the scheduler reserves past each sampling chunk for the draft model's own KV."""
-        return self.spec.k if self.draft is not None else 0
+        return self.spec.k if self.spec.method != "ngram" else 0
 
     def runner_stats(self) -> dict | None:
         if self.draft is None:
@@ -82,54 +88,43 @@ class Speculator:
                      greedy_loop_compile_s=loop.compile_seconds if loop else 0.0)
         return stats
 
-    # --- after a step: drafts for the next one ----------------------------------------------------
-
-    def forget(self, request_ids) -> None:
-        """Requests whose blocks were freed (preempted or finished)."""
+    def release(self, request_ids) -> None:
+        """Requests whose blocks were freed (finished, preempted, requeued): their drafts' state goes."""
         for rid in request_ids:
             self._draft_probs.pop(rid, None)
             if self.draft is not None:
                 self.draft.reset(rid)
 
-    def propose(self, scheduler: Scheduler, params_of, max_model_len: int) -> None:
-        """Set `spec_token_ids` of every decoding request (none above disable_by_batch_size)."""
+    # --- where the logits are: drafts for the next step -------------------------------------------
+
+    def propose(self, states: list["NextState"], params: list[SamplingParams], tables: list[list[int]],
+                block_size: int, max_model_len: int, num_running: int) -> dict[str, list[int]]:
+        """Drafts for the requests this step sampled, from their tokens as the update will leave them
+        (`states`); none above disable_by_batch_size. Returns request id -> drafts (non-empty only)."""
         limit = self.spec.disable_by_batch_size
-        if limit is not None and scheduler.num_running > limit:
-            return
-        requests = scheduler.decoding_requests()
-        if not requests:
-            return
+        if not states or (limit is not None and num_running > limit):
+            return {}
         # Never draft past what plain decoding could still produce: a verify step appends up to k + 1.
         limits = [max(0, min(self.spec.k, r.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens - 1))
-                  for r in requests]
+                  for r in states]
         if not any(limits):
-            return
+            return {}
         if self.ngram is not None:
-            drafts = self.ngram.propose([r.all_token_ids for r in requests], limits)
-            probs = [None] * len(requests)
+            drafts = self.ngram.propose([r.all_token_ids for r in states], limits)
+            probs = [None] * len(states)
         else:
-            tables = [scheduler.kv_cache.block_table(r.request_id) for r in requests]
             # The draft writes its KV up to position L + limit - 2, into slots the scheduler reserved.
-            block = scheduler.config.block_size
-            limits = [max(0, min(limit, len(t) * block - r.num_tokens + 1)) for r, t, limit in zip(requests, tables, limits)]
-            drafts, probs = self.draft.propose(requests, limits, tables, [params_of(r.request_id) for r in requests])
-        if self.tp is not None:
-            drafts = self._broadcast(drafts, limits)
-        for r, d, q in zip(requests, drafts, probs):
-            r.spec_token_ids = d
+            limits = [max(0, min(limit, len(t) * block_size - r.num_tokens + 1))
+                      for r, t, limit in zip(states, tables, limits)]
+            drafts, probs = self.draft.propose(states, limits, tables, params)
+        out = {}
+        for r, d, q in zip(states, drafts, probs):
             self._draft_probs[r.request_id] = q
-
-    def _broadcast(self, drafts: list[list[int]], limits: list[int]) -> list[list[int]]:
-        """TP rank 0's token lists on every rank (padded to `limits`, which every rank computes alike)."""
-        flat = [d[j] if j < len(d) else -1 for d, limit in zip(drafts, limits) for j in range(limit)]
-        flat = self.tp.broadcast_tokens(flat)
-        out, at = [], 0
-        for limit in limits:
-            out.append([t for t in flat[at: at + limit] if t >= 0])
-            at += limit
+            if d:
+                out[r.request_id] = list(d)
         return out
 
-    # --- in a step: verify ------------------------------------------------------------------------
+    # --- where the logits are: verify ---------------------------------------------------------------
 
     def verify(self, logits: torch.Tensor, plan: SchedulerOutput, requests: list[Request],
                params: list[SamplingParams]) -> Verified:
@@ -140,20 +135,49 @@ class Speculator:
         for s, d in zip(sampling, drafts):
             q = self._draft_probs.get(s.request_id) if d else None
             probs.append(None if q is None else q[: len(d)])  # the budget may have cut the drafts
-        verified = self.rejection(logits, [s.request_id for s in sampling], params,
-                                  [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
-                                  drafts, probs)
-        if self.tp is not None:
-            verified.token_ids = self._broadcast(verified.token_ids, [len(d) + 1 for d in drafts])
-        for i, d in enumerate(drafts):
-            if d:
-                accepted = verified.num_accepted(i)
+        return self.rejection(logits, [s.request_id for s in sampling], params,
+                              [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+                              drafts, probs)
+
+    def count(self, plan: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """vLLM's spec-decode counters from a retired plan (every rank: the result says what was kept)."""
+        for s in plan.scheduled:
+            if s.num_draft_tokens and s.request_id in sampled:
+                accepted = len(sampled[s.request_id]) - 1
                 self.stats.num_drafts += 1
-                self.stats.num_draft_tokens += len(d)
+                self.stats.num_draft_tokens += s.num_draft_tokens
                 self.stats.num_accepted_tokens += accepted
                 for j in range(accepted):
                     self.stats.accepted_per_pos[j] += 1
-        return verified
+
+
+class NextState:
+    """A request as this step's update will leave it, its new tokens appended (and no further ones
+    computed): what a proposer reads, where the logits are, before every rank's update has run."""
+
+    __slots__ = ("request", "new")
+
+    def __init__(self, request: Request, new: list[int]):
+        self.request, self.new = request, new
+
+    request_id = property(lambda self: self.request.request_id)
+    prompt_token_ids = property(lambda self: self.request.prompt_token_ids)
+    max_tokens = property(lambda self: self.request.max_tokens)
+    output_token_ids = property(lambda self: self.request.output_token_ids + self.new)
+    all_token_ids = property(lambda self: self.request.all_token_ids + self.new)
+    num_output_tokens = property(lambda self: self.request.num_output_tokens + len(self.new))
+    num_tokens = property(lambda self: self.request.num_tokens + len(self.new))
+    num_computed_tokens = property(lambda self: self.num_tokens - 1)
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        return self.all_token_ids[start:end]
+
+    def goes_on(self) -> bool:
+        """Whether it can still decode after the update (no stop token, below its length limits)."""
+        r = self.request
+        if any(t in r.stop_token_ids for t in self.new) and self.num_output_tokens >= r.min_tokens:
+            return False
+        return self.num_output_tokens < r.max_tokens
 
 
 def _draft_proposer(spec: SpeculativeConfig, config, model_config, sampler: Sampler, num_blocks: int):
@@ -167,9 +191,10 @@ def _draft_proposer(spec: SpeculativeConfig, config, model_config, sampler: Samp
     if draft_mc.max_position_embeddings < config.max_model_len:
         raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
                          f"({draft_mc.max_position_embeddings}) is below max_model_len {config.max_model_len}")
-    # Replicated under tensor parallelism: a draft is small, and every rank drafts the same tokens.
+    # Whole, on the one rank that holds the target's logits (a draft is small): no TP, stages or EP.
     draft_config = replace(config, model=spec.model, speculative_config=None, tensor_parallel_size=1,
-                           data_parallel_size=1)
+                           data_parallel_size=1, pipeline_parallel_size=1, pp_layer_partition=None,
+                           enable_expert_parallel=False)
     runner = ModelRunner(draft_config, draft_mc, backends.for_device(draft_config, draft_mc), None,
                          num_blocks=num_blocks)
     log.info("draft model %s: %.1fM parameters, %d layers, KV cache of %d blocks (the target's)",

@@ -61,6 +61,35 @@ class UnsupportedModelError(ValueError):
 ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 
 
+# The features whose combinations are checked, by the name an error gives them, and whether a config sets each.
+FEATURES = {
+    "disaggregated prefill/decode": lambda c: c.prefill_instances > 0,
+    "tensor_parallel_size": lambda c: c.tensor_parallel_size > 1,
+    "data_parallel_size": lambda c: c.data_parallel_size > 1,
+    "pipeline_parallel_size": lambda c: c.pipeline_parallel_size > 1,
+    "enable_expert_parallel": lambda c: c.enable_expert_parallel,
+    "speculative_config": lambda c: c.speculative_config is not None,
+    "kv_offloading_size": lambda c: c.kv_offloading_size is not None,
+    "kv_disk_cache_dir": lambda c: c.kv_disk_cache_dir is not None,
+    "preemption_mode='swap'": lambda c: c.preemption_mode == "swap",
+    "enable_prefix_caching": lambda c: c.enable_prefix_caching,
+    "max_num_batched_tokens": lambda c: True,  # chunked prefill: always on
+}
+
+_DISAGG = "disaggregated prefill/decode"
+_DISAGG_WHY = ("a disaggregated job moves KV only in the prefill -> decode handoff, which does not yet know about "
+               "{}: drop it, or run colocated (prefill_instances=0, decode_instances=0)")
+# Every pair of FEATURES that does not combine yet, and why; every other pair does (one engine core:
+# docs/architecture.md, "What combines", is the same table).
+NOT_COMBINED = {
+    frozenset((_DISAGG, "data_parallel_size")): "the prefill and decode instances are the replicas: drop "
+                                                "data_parallel_size, or run colocated",
+    **{frozenset((_DISAGG, other)): _DISAGG_WHY.format(other)
+       for other in ("pipeline_parallel_size", "speculative_config", "kv_offloading_size", "kv_disk_cache_dir",
+                     "enable_expert_parallel", "preemption_mode='swap'")},
+}
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine is built from. `LLM(model, **fields)` takes the same names (vLLM's)."""
@@ -151,6 +180,7 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_pipeline()
         self._check_disaggregated()
+        self._check_combinations()
         if self.cpu_linear not in envs.CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(envs.CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
 
@@ -170,26 +200,17 @@ class EngineConfig:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
 
     def _check_pipeline(self) -> None:
-        """What pipeline parallelism does not combine with yet, refused before anything loads."""
         if self.pp_layer_partition is not None and not isinstance(self.pp_layer_partition, str):
             raise ValueError(f"pp_layer_partition must be a string such as '4,4,5,3', got {self.pp_layer_partition!r}")
-        if self.pipeline_parallel_size == 1:
-            return
-        # Each of these moves KV or tokens outside the step plan's point-to-point path, which a stage
-        # holding only some layers cannot serve yet.
-        self._refuse_with(f"pipeline_parallel_size {self.pipeline_parallel_size}",
-                          "drop it, or run without pipeline parallelism")
 
-    def _refuse_with(self, feature: str, remedy: str, *others: tuple[str, bool]) -> None:
-        """A ValueError naming what is set among the features `feature` does not combine with yet."""
-        unsupported = [name for name, on in (
-            *others,
-            ("speculative_config", self.speculative_config is not None),
-            ("kv_offloading_size", self.kv_offloading_size is not None),
-            ("kv_disk_cache_dir", self.kv_disk_cache_dir is not None),
-            ("enable_expert_parallel", self.enable_expert_parallel)) if on]
-        if unsupported:
-            raise ValueError(f"{feature} does not combine with {', '.join(unsupported)} yet: {remedy}")
+    def _check_combinations(self) -> None:
+        """The pairs of features set here that do not combine yet (NOT_COMBINED), refused before anything loads."""
+        on = [name for name, is_on in FEATURES.items() if is_on(self)]
+        for a in on:
+            others = [b for b in on if frozenset((a, b)) in NOT_COMBINED]
+            if others:
+                raise ValueError(f"{a} does not combine with {', '.join(others)} yet: "
+                                 f"{NOT_COMBINED[frozenset((a, others[0]))]}")
 
     @property
     def disaggregated(self) -> bool:
@@ -210,13 +231,6 @@ class EngineConfig:
         if not self.disaggregated:
             if ptp is not None:
                 raise ValueError("prefill_tensor_parallel_size needs prefill_instances and decode_instances")
-            return
-        # Each runs its own ranks or moves KV outside the prefill -> decode handoff, which would need
-        # the handoff to know about it; the instances are the replicas here.
-        self._refuse_with("disaggregated prefill/decode",
-                          "drop it, or run colocated (prefill_instances=0, decode_instances=0)",
-                          ("data_parallel_size", self.data_parallel_size > 1),
-                          ("pipeline_parallel_size", self.pipeline_parallel_size > 1))
 
     def _check_kv_hierarchy(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_cache_size"):

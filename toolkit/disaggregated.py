@@ -1,5 +1,6 @@
 """Disaggregated prefill and decode: what an engine does differently as a prefill or a decode
-instance. Chosen once, when the engine is built (`build_role`); the step itself is the engine's own.
+instance. Chosen once, when the engine is built (`build_role`), as the engine core's hooks; the step itself is
+the core's own.
 
 Every rank is fed every request, in the same order (SPMD, as under TP), and the router
 (parallel/disaggregated.py) gives each the same (prefill instance, decode instance) on every rank.
@@ -60,7 +61,9 @@ class RoleTimes:
 
 
 class _Role:
-    """What both roles share: routing every request, the KV worker, stats."""
+    """What both roles share: routing every request, the KV worker, stats. A role is the engine core's
+    hooks (engine/build.py's NoHooks is the colocated engine's): it takes the requests routed to its
+    instance, and works before and after the core's own step."""
 
     def __init__(self, disagg: Disaggregation):
         self.disagg = disagg
@@ -113,6 +116,9 @@ class _Role:
     def _idle(self) -> None:
         time.sleep(IDLE_SLEEP_S)
 
+    def before_step(self, engine) -> None:
+        pass
+
 
 
 class PrefillRole(_Role):
@@ -139,8 +145,8 @@ class PrefillRole(_Role):
         prefill = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         engine._add_request(request_id, prompt_token_ids[:-1], prefill, None, priority, arrival_time, cache_salt)
 
-    def step(self, engine) -> list:
-        for out in engine._step():  # the handoff requests' own outputs are nobody's
+    def after_step(self, engine, finished: list) -> list:
+        for out in finished:  # the handoff requests' own outputs are nobody's
             m = out.metrics
             self.times.queue.append((m.first_scheduled_time or m.finished_time) - m.arrival_time)
             self.times.ttft.append(m.finished_time - m.arrival_time)  # the KV ready to send
@@ -177,8 +183,8 @@ class PrefillRole(_Role):
                 self.control.send(peer.ranks[0], READY, tag, int(ok))
         self.worker.poll()
 
-    def has_unfinished(self, engine) -> bool:
-        return bool(engine._groups) or self.worker.poll() > 0
+    def has_unfinished(self, engine, busy: bool) -> bool:
+        return busy or self.worker.poll() > 0
 
     def serves(self, request_id: str) -> bool:
         return False  # a prefill instance returns no output
@@ -246,9 +252,10 @@ class DecodeRole(_Role):
         """Requests routed here whose prefill has not come yet."""
         return len(self._expected)
 
-    def step(self, engine) -> list:
+    def before_step(self, engine) -> None:
         self._take_arrivals(engine)
-        finished = engine._step()
+
+    def after_step(self, engine, finished: list) -> list:
         for out in finished:
             self._served.discard(out.request_id)
             m = out.metrics
@@ -315,8 +322,8 @@ class DecodeRole(_Role):
                                f"await their prefill from {names}, silent for {waited:.0f} s (the collective "
                                "timeout): hung or dead")
 
-    def has_unfinished(self, engine) -> bool:
-        if engine._groups or self._expected:
+    def has_unfinished(self, engine, busy: bool) -> bool:
+        if busy or self._expected:
             return True
         plan = engine.scheduler.pending_transfers()  # drops of requests that ended before their KV loaded
         if plan:

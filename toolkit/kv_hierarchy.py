@@ -33,17 +33,12 @@ FORMAT_VERSION = 1  # of the disk entries' layout; a change makes every older en
 class KVHierarchy:
     connector: TieredKVConnector
     worker: TieredKVWorker
-    block_bytes: int  # one block's KV on this rank, all layers
-    tp: object | None = None
+    block_bytes: int  # one block's KV on this rank, all its layers
 
     def transfer(self, plan) -> list:
-        """Run one step's plan; returns the loads that failed on any TP rank (all ranks drop them)."""
-        failed = run_transfers(self.worker, plan, len(self.worker.kv_caches))
-        if self.tp is not None and plan.loads:
-            bad = {id(c) for c in failed}
-            flags = self.tp.agree_any([id(c) in bad for c in plan.loads])
-            failed = [c for c, flag in zip(plan.loads, flags) if flag]
-        return failed
+        """Run one step's plan on this rank's layers and KV heads; returns the loads that failed here
+        (the executor makes every rank of the replica drop the same ones)."""
+        return run_transfers(self.worker, plan, len(self.worker.kv_caches))
 
     def metrics(self) -> list:
         s = self.stats()
@@ -63,23 +58,53 @@ class KVHierarchy:
 
 
 def build_kv_hierarchy(config, model_config, kv_caches: list[torch.Tensor], block_bytes: int,
-                       tp=None) -> KVHierarchy | None:
-    """The tiers the config asks for and the machine allows, or None for none."""
-    cpu_blocks = _cpu_blocks(config, block_bytes)
-    disk_dir = _disk_dir(config, model_config, tp)
+                       tp=None, stage=None, group=None) -> KVHierarchy | None:
+    """The tiers the config asks for and the machine allows, or None for none. Under tensor or
+    pipeline parallelism each rank holds its share of every block (`tp`: its KV heads; `stage`: its
+    layers) in its own tiers, and the ranks of `group` (the replica) agree on one block count, disk
+    budget and set of disk entries, since their schedulers must make the same choices."""
+    cpu_blocks = _agree(_cpu_blocks(config, block_bytes), group)
+    disk_dir = _disk_dir(config, model_config, tp, stage)
     entry_bytes = block_bytes + 1024  # the header
     disk_capacity = _disk_capacity(config, disk_dir, entry_bytes) if disk_dir else 0
+    # An entry's bytes differ per stage: the budget is agreed in entries, the smallest rank's.
+    disk_entries = _agree(disk_capacity // entry_bytes, group) if config.kv_disk_cache_dir is not None else 0
+    disk_capacity = disk_entries * entry_bytes
     if not disk_capacity:
         disk_dir = None
     if not cpu_blocks and disk_dir is None:
         return None
     fingerprint = Path(disk_dir).name if disk_dir else ""
     worker = TieredKVWorker(kv_caches, cpu_blocks, disk_dir, fingerprint)
-    disk = DiskResidency(worker.disk_entries(), disk_capacity, entry_bytes) if disk_dir else None
+    disk = DiskResidency(_common(worker.disk_entries(), group), disk_capacity, entry_bytes) if disk_dir else None
     connector = TieredKVConnector(config.block_size, cpu_blocks, disk)
     log.info("KV tiers: CPU %d blocks (%.2f GiB); disk %s", cpu_blocks, cpu_blocks * block_bytes / GIB,
              f"{disk_dir} ({disk_capacity / GIB:.2f} GiB, {len(disk)} entries found)" if disk else "off")
-    return KVHierarchy(connector, worker, block_bytes, tp)
+    return KVHierarchy(connector, worker, block_bytes)
+
+
+def _agree(value: int, group) -> int:
+    """The smallest of the group's values (the value itself without a group)."""
+    if group is None:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def _common(entries: list[str], group) -> list[str]:
+    """The disk entries every rank of the group holds, in this rank's (least recently used first)
+    order: a block whose share one rank lacks is a miss for all."""
+    if group is None:
+        return entries
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, entries, group=group)
+    held = set(entries).intersection(*map(set, every))
+    return [e for e in entries if e in held]
 
 
 def _cpu_blocks(config, block_bytes: int) -> int:
@@ -98,10 +123,10 @@ def _cpu_blocks(config, block_bytes: int) -> int:
     return blocks
 
 
-def _disk_dir(config, model_config, tp) -> str | None:
+def _disk_dir(config, model_config, tp, stage=None) -> str | None:
     if config.kv_disk_cache_dir is None:
         return None
-    path = Path(config.kv_disk_cache_dir).expanduser() / kv_fingerprint(config, model_config, tp)
+    path = Path(config.kv_disk_cache_dir).expanduser() / kv_fingerprint(config, model_config, tp, stage)
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".probe.{os.getpid()}"
@@ -128,9 +153,10 @@ def _disk_capacity(config, disk_dir: str, entry_bytes: int) -> int:
     return wanted
 
 
-def kv_fingerprint(config, model_config, tp=None) -> str:
+def kv_fingerprint(config, model_config, tp=None, stage=None) -> str:
     """Names whose KV a disk entry holds: the checkpoint (its config and a sample of its weight files'
-    bytes), the dtype, block size, KV layout and this rank's shard, so another model never reads it."""
+    bytes), the dtype, block size, KV layout and this rank's shard (TP rank, pipeline stage's layers),
+    so another model or another shard never reads it."""
     h = hashlib.blake2b(digest_size=12)
     model = Path(model_config.path)
     h.update((model / "config.json").read_bytes())
@@ -143,6 +169,8 @@ def kv_fingerprint(config, model_config, tp=None) -> str:
               "layers": model_config.num_layers, "kv_heads": tp.num_kv_heads_local if tp else model_config.num_kv_heads,
               "head_dim": model_config.head_dim, "layout": "[2, block, kv_head, head_dim] per layer",
               "tp": [tp.rank, tp.size] if tp else [0, 1]}
+    if stage is not None:
+        layout["stage_layers"] = [stage.layers.start, stage.layers.stop]
     h.update(json.dumps(layout, sort_keys=True).encode())
     return h.hexdigest()
 

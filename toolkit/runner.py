@@ -156,15 +156,19 @@ class ModelRunner:
         return logits
 
     def execute_dummy(self) -> None:
-        """A one-token forward that reads and writes nothing of any request (its KV slot is -1, not
-        written): what a data-parallel replica with nothing scheduled runs under expert parallelism, so
-        that it still enters every MoE layer's all-to-all with the other replicas (Engine.step)."""
+        """A one-token forward that reads and writes nothing of any request: what a data-parallel replica
+        with nothing scheduled runs under expert parallelism, so that it still enters every MoE layer's
+        all-to-all with the other replicas (executor/spmd.py)."""
+        self.execute(self.prepare_dummy())
+
+    def prepare_dummy(self) -> StepInputs:
+        """The dummy batch's inputs: one token whose KV slot is -1 (never written)."""
         from toolkit.scheduling import ScheduledRequest
 
         dummy = ScheduledRequest(request_id="<dummy>", token_ids=[0], start_position=0, block_table=[0], samples=True)
         inputs = self.prepare([dummy])
         inputs.meta.slot_mapping.fill_(-1)
-        self.execute(inputs)
+        return inputs
 
     def stats(self) -> dict:
         """What the runner built and spent, for Engine.stats()."""

@@ -245,9 +245,9 @@ def test_vllms_keywords_are_accepted_and_mapped(ckpt, caplog):
     (dict(enable_chunked_prefill=False), r"enable_chunked_prefill=False is not supported: long prefills"),
     (dict(tokenizer_mode="slow"), r"tokenizer_mode='slow' is not supported"),
     (dict(pipeline_parallel_size=0), r"pipeline_parallel_size must be an integer >= 1"),
-    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     r"pipeline_parallel_size 2 does not combine with speculative_config"),
-    (dict(pipeline_parallel_size=2, kv_offloading_size=1), r"does not combine with kv_offloading_size"),
+    (dict(prefill_instances=1, decode_instances=1, pipeline_parallel_size=2,
+          speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     r"disaggregated prefill/decode does not combine with pipeline_parallel_size, speculative_config yet"),
     (dict(pipeline_parallel_size=2, pp_layer_partition=[1, 1]), r"pp_layer_partition must be a string"),
     (dict(prefill_instances=1), r"prefill_instances 1 and decode_instances 0: disaggregation needs at least one"),
     (dict(prefill_instances=-1, decode_instances=1), r"prefill_instances must be an integer >= 0"),
@@ -395,3 +395,46 @@ def test_priority_without_the_priority_policy_is_an_error(llm):
     assert not llm.engine.has_unfinished()
     # All zeros is no priority at all (vLLM's rule too).
     assert len(llm.generate(prompts, SamplingParams(max_tokens=1), priority=[0, 0], use_tqdm=False)) == 2
+
+
+def _feature_kwargs(name: str, tmp_path) -> dict:
+    """EngineConfig keywords that turn one of config.FEATURES on."""
+    return {
+        "disaggregated prefill/decode": dict(prefill_instances=1, decode_instances=1),
+        "tensor_parallel_size": dict(tensor_parallel_size=2),
+        "data_parallel_size": dict(data_parallel_size=2),
+        "pipeline_parallel_size": dict(pipeline_parallel_size=2),
+        "enable_expert_parallel": dict(enable_expert_parallel=True),
+        "speculative_config": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+        "kv_offloading_size": dict(kv_offloading_size=0.01),
+        "kv_disk_cache_dir": dict(kv_disk_cache_dir=str(tmp_path / "kv")),
+        "preemption_mode='swap'": dict(preemption_mode="swap", kv_offloading_size=0.01),
+        "enable_prefix_caching": dict(enable_prefix_caching=True),
+        "max_num_batched_tokens": dict(max_num_batched_tokens=16),
+    }[name]
+
+
+def test_the_combinability_table_is_what_the_config_accepts(tmp_path):
+    """Every pair of features: the config accepts it exactly when NOT_COMBINED does not list it, and a
+    refusal names both features. (Pipeline parallelism combines with everything but disaggregation.)"""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from toolkit.config import FEATURES, NOT_COMBINED, EngineConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    accepted = 0
+    for a, b in itertools.combinations(FEATURES, 2):
+        kwargs = {**_feature_kwargs(a, tmp_path), **_feature_kwargs(b, tmp_path)}
+        # what the keywords turn on (swap needs the CPU tier, so it sets kv_offloading_size too)
+        on = [n for n, is_on in FEATURES.items() if is_on(SimpleNamespace(**{**defaults, **kwargs}))]
+        if any(frozenset(p) in NOT_COMBINED for p in itertools.combinations(on, 2)):
+            with pytest.raises(ValueError, match="does not combine with .*yet"):
+                EngineConfig(model="-", **kwargs)
+        else:
+            EngineConfig(model="-", **kwargs)
+            accepted += 1
+    pipeline = [p for p in map(frozenset, itertools.combinations(FEATURES, 2)) if "pipeline_parallel_size" in p]
+    assert [p for p in pipeline if p in NOT_COMBINED] == [frozenset(("pipeline_parallel_size",
+                                                                     "disaggregated prefill/decode"))]
+    assert accepted > 40

@@ -10,6 +10,7 @@ draft model's KV) is dropped from what the plan says was released, never by hand
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,8 @@ import torch
 from toolkit.sampler import Sampler, logprob_entries
 from toolkit.sampling_params import SamplingParams
 from toolkit.scheduling import SchedulerOutput
+
+log = logging.getLogger("toolkit")
 
 
 @dataclass
@@ -128,10 +131,8 @@ class Worker:
         except Exception as exc:  # noqa: BLE001
             if isinstance(exc, torch.distributed.DistError):
                 raise
-            import logging
-
-            logging.getLogger("toolkit").error("drafting for %d requests failed; they end with finish_reason="
-                                               "'error'", len(going), exc_info=exc)
+            log.error("drafting for %d requests failed; they end with finish_reason='error'", len(going),
+                      exc_info=exc)
             reason = f"drafting failed: {type(exc).__name__}: {exc}"
             result.failed.update({s.request_id: reason for s, _ in going})
 

@@ -65,8 +65,7 @@ class Engine:
         """Pipeline parallelism: each stage of this replica's busy and idle time so far, and its idle
         fraction over all steps and decode-only ones (parallel.pipeline.StageStats), stage order; None
         without pipeline parallelism. A collective: every rank of the replica must call it."""
-        all_stats = getattr(self.executor, "all_stats", None)
-        return all_stats() if all_stats is not None else None
+        return self.executor.all_stats()
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forget the prefix cache (device and CPU tier; the disk tier is kept). False while requests run."""

@@ -67,6 +67,10 @@ class Executor:
     def stats(self) -> dict:
         return {}
 
+    def all_stats(self) -> list[dict] | None:
+        """Each pipeline stage's report, stage order (a collective over the replica); None without stages."""
+        return None
+
     def metrics(self) -> list:
         return []
 

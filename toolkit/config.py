@@ -103,6 +103,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None  # None: 0.9 of free memory on CUDA, 0.3 on a CPU host
+    # The longest request (prompt + output tokens) the workload will bring, when known (the CLI sets it
+    # from its input): the KV cache is then sized for max_num_seqs such requests, not max_model_len ones.
+    # A longer request still runs while the cache holds it, or fails alone (toolkit/kv_sizing.py).
+    max_request_tokens: int | None = None
     # vLLM's: the share of the GPU's total memory this engine may hold; the KV cache gets what the weights
     # (and whatever else is on the GPU) leave of it. Not used on CPU, where kv_cache_memory_fraction sizes it.
     gpu_memory_utilization: float | None = None
@@ -163,6 +167,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_request_tokens is not None and (not isinstance(self.max_request_tokens, numbers.Integral)
+                                                    or isinstance(self.max_request_tokens, bool)
+                                                    or self.max_request_tokens < 1):
+            raise ValueError(f"max_request_tokens must be an integer >= 1, got {self.max_request_tokens!r}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         self._check_vllm_fields()

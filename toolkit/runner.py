@@ -17,7 +17,6 @@ next start of the same model and shapes fast.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from toolkit import inputs as step_inputs
 from toolkit import transforms
 from toolkit.config import EngineConfig, ModelConfig
 from toolkit.inputs import StepInputs
+from toolkit.kv_sizing import KVSizing, check_fits, request_tokens
 from toolkit.weights import load_model
 
 log = logging.getLogger("toolkit")
@@ -64,11 +64,14 @@ class ModelRunner:
         self.device = torch.device(config.device)
         start = time.perf_counter()
         stage = pp.stage if pp is not None else None
+        self.num_kv_heads = tp.num_kv_heads_local if tp is not None else model_config.num_kv_heads
+        self.num_layers = len(stage.layers) if stage is not None else model_config.num_layers
+        self.sizing = self._kv_sizing()
+        if num_blocks is None:
+            self._check_host_fits()  # before loading: a run that cannot fit says so instead of being killed
         self.model = load_model(model_config, config.dtype, self.device, max_positions=config.max_model_len,
                                 load_format=config.load_format, tp=tp, ep=ep, stage=stage)
         self.attention_backend = backend.attention_backend()  # after loading: the CPU kernels build meanwhile
-        self.num_kv_heads = tp.num_kv_heads_local if tp is not None else model_config.num_kv_heads
-        self.num_layers = len(stage.layers) if stage is not None else model_config.num_layers
         self.kv_spec = self._size_kv_cache() if num_blocks is None else KVCacheSpec(
             num_blocks, config.block_size,
             kv_cache_bytes_per_token(self.num_layers, self.num_kv_heads, model_config.head_dim, config.dtype))
@@ -93,10 +96,31 @@ class ModelRunner:
 
     # --- KV cache sizing -------------------------------------------------------------------
 
-    def _size_kv_cache(self) -> KVCacheSpec:
+    def _kv_sizing(self) -> KVSizing:
         c, mc = self.config, self.model_config
-        per_token = kv_cache_bytes_per_token(self.num_layers, self.num_kv_heads, mc.head_dim, c.dtype)
-        per_block = per_token * c.block_size
+        spec = c.speculative_config
+        lookahead = getattr(spec, "num_speculative_tokens", 0) if spec is not None else 0
+        return KVSizing(kv_cache_bytes_per_token(self.num_layers, self.num_kv_heads, mc.head_dim, c.dtype),
+                        c.block_size, c.max_num_seqs, request_tokens(c.max_model_len, c.max_request_tokens, lookahead),
+                        processes_per_device(self.device))
+
+    def _check_host_fits(self) -> None:
+        """This process's weights and its smallest useful KV cache, times the processes on this host,
+        against the host's available memory (CPU only: a GPU's budget is its own)."""
+        if self.device.type != "cpu":
+            return
+        c, sizing = self.config, self.sizing
+        # A lower bound (never a refusal of a run that fits): weights split evenly over the TP ranks and
+        # stages (and experts over every rank), neither replicated norms nor a second weight layout counted.
+        shards = c.tensor_parallel_size * c.pipeline_parallel_size
+        shards *= c.data_parallel_size if c.enable_expert_parallel else 1
+        weights = self.model_config.num_parameters * c.dtype.itemsize // shards
+        kv = sizing.min_bytes if c.kv_cache_memory_bytes is None else min(
+            c.kv_cache_memory_bytes, sizing.useful_blocks * sizing.block_bytes)
+        check_fits(weights, kv, sizing.processes, available_memory_bytes(self.device), sizing.request_tokens)
+
+    def _size_kv_cache(self) -> KVCacheSpec:
+        c, sizing = self.config, self.sizing
         budget_bytes, fraction = c.kv_cache_memory_bytes, c.kv_cache_memory_fraction
         if c.gpu_memory_utilization is not None and self.device.type == "cuda":
             budget_bytes = utilization_budget(*torch.cuda.mem_get_info(self.device), c.gpu_memory_utilization)
@@ -109,10 +133,8 @@ class ModelRunner:
                 # with everything else, so take less by default.
                 fraction = 0.9 if self.device.type == "cuda" else 0.3
             # Every process of a multi-process job on one CPU host draws on the same free memory.
-            budget_bytes = int(available_memory_bytes(self.device) * fraction) // processes_per_device(self.device)
-        # More blocks than max_num_seqs full-length requests can use would only waste memory.
-        useful = c.max_num_seqs * math.ceil(c.max_model_len / c.block_size)
-        num_blocks = min(budget_bytes // per_block, useful)
+            budget_bytes = sizing.budget(available_memory_bytes(self.device), fraction)
+        num_blocks = sizing.num_blocks(budget_bytes)  # never more than the run can use
         if self.pp is not None:
             num_blocks = self.pp.agree_min(num_blocks)  # one schedule for the replica's stages and TP ranks
         elif self.tp is not None:
@@ -120,9 +142,9 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget of {budget_bytes} bytes holds no block of {c.block_size} tokens "
-                f"({per_block} bytes per block); raise kv_cache_memory_bytes"
+                f"({sizing.block_bytes} bytes per block); raise kv_cache_memory_bytes"
             )
-        return KVCacheSpec(int(num_blocks), c.block_size, per_token)
+        return KVCacheSpec(int(num_blocks), c.block_size, sizing.bytes_per_token)
 
     # --- one step ---------------------------------------------------------------------------
 

@@ -281,19 +281,16 @@ def check_disaggregation(engine_args: dict) -> None:
 
 def check_model_splits(model: Path | None, tp: int, dp: int = 1, expert_parallel: bool = False, pp: int = 1,
                        pp_layer_partition: str | None = None) -> None:
-    from toolkit.parallel.expert_parallel import check_expert_parallel, num_experts
-    from toolkit.parallel.pipeline import layer_partition
-    from toolkit.parallel.tensor_parallel import check_tensor_parallel
     from toolkit.config import load_model_config
+    from toolkit.parallel.dims import ParallelDims
+    from toolkit.parallel.expert_parallel import num_experts
 
     path = resolve_model(model, lambda message: None)
     try:
         config = load_model_config(path)
         expert_parallel = expert_parallel and num_experts(config) is not None  # a dense model: the flag is ignored
-        if expert_parallel:
-            check_expert_parallel(config, tp * dp)
-        check_tensor_parallel(config, tp, expert_parallel=expert_parallel)
-        layer_partition(config.num_layers, pp, pp_layer_partition)
+        dims = ParallelDims(dp=dp, pp=pp, tp=tp, expert_parallel=expert_parallel, pp_layer_partition=pp_layer_partition)
+        dims.validate(config, dims.world_size)  # what every rank would check after the relaunch, checked once here
     except (OSError, ValueError) as e:
         flags = f"--tp {tp} --dp {dp} --enable-expert-parallel" if expert_parallel else f"--tp {tp}"
         flags += f" --pp {pp}" if pp > 1 else ""
@@ -305,8 +302,8 @@ def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict
         raise CliError("a PROMPT's completion is printed to stdout; --input and --output are for prompt files")
     console = stderr_console() if ranks.main else Console(quiet=True)
     base = base_params(sampling)
-    engine = load_engine(model, engine_args, console, io.quiet, text_from="a text PROMPT")
     job = Job(line=1, id=1, prompt=io.prompt, params=base)
+    engine = load_engine(model, with_workload(engine_args, model, [job]), console, io.quiet, text_from="a text PROMPT")
 
     def print_text(record: dict) -> None:
         if ranks.main:
@@ -390,6 +387,8 @@ def _interrupted(error: KeyboardInterrupt, io: IOArgs, ranks: Ranks, done: int, 
 
 def _generate_file(io: IOArgs, model: Path | None, base: SamplingParams, fmt: str, run: RunFingerprint,
                    engine_args: dict, ranks: Ranks, console, resume: Resume, total: int, stats: RunStats) -> int:
+    share = (ranks.replica, ranks.dp) if ranks.dp > 1 else None
+    engine_args = with_workload(engine_args, model, read_jobs(io.input, fmt, base, resume.done, share))
     engine = load_engine(model, engine_args, console, io.quiet,
                          text_from=f"plain-text input {io.input}" if fmt == "text" else None)
     if ranks.world > 1:
@@ -402,7 +401,6 @@ def _generate_file(io: IOArgs, model: Path | None, base: SamplingParams, fmt: st
         stats.skipped, stats.skipped_errors = len(done), errors
     # The exit code describes the whole output file, so error records from an earlier run count.
     failed = EXIT_LINE_FAILED if resume.errors else 0
-    share = (ranks.replica, ranks.dp) if ranks.dp > 1 else None
     # --dp: rank 0's bar counts every replica's records, read from their shards (cli/progress.py).
     follow = ShardCounter([shard_path(io.output, i, ranks.dp) for i in range(ranks.dp)]) if share else None
     records = OpenAIRecords(str(model or "toolkit-default"), engine.tokenizer) if fmt == "openai" else NativeRecords()
@@ -513,12 +511,26 @@ def base_params(sampling: dict) -> SamplingParams:
 
 def require_tokenizer(path: Path, engine_args: dict, what: str) -> None:
     """Text needs the model's tokenizer: say so before loading, not at the first prompt."""
-    from toolkit.tokenizer import TOKENIZER_FILES
+    from toolkit.tokenizer import TOKENIZER_FILES, has_tokenizer
 
     folder = Path(engine_args.get("tokenizer") or path)
-    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+    if not has_tokenizer(folder):
         raise CliError(f"{what} needs the model's tokenizer, but {folder} has none of {', '.join(TOKENIZER_FILES)}; "
                        "add them, or give prompt_token_ids in a JSONL file")
+
+
+def with_workload(engine_args: dict, model: Path | None, jobs) -> dict:
+    """The engine's arguments with the run's longest request as max_request_tokens (cli/workload.py):
+    its KV cache is sized for what this run's lines ask for, not for max_model_len requests."""
+    from toolkit.cli.workload import longest_request
+    from toolkit.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(engine_args.get("tokenizer") or resolve_model(model, lambda message: None))
+    except (OSError, ValueError):  # load_engine says what is wrong with the model folder
+        return engine_args
+    longest = longest_request(jobs, tokenizer)
+    return engine_args if longest is None else {**engine_args, "max_request_tokens": longest}
 
 
 def load_engine(model: Path | None, engine_args: dict, console, quiet: bool, text_from: str | None = None):

@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from toolkit.parallel.dims import ParallelDims
 from toolkit.parallel.distributed import ParallelConfigError, dist_timeout
 from toolkit.parallel.tensor_parallel import kv_heads
 
@@ -255,7 +256,7 @@ def setup_disaggregated(layout: DisaggLayout, device, model_config):
     gather = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
     _log_rank0_only()
     tp = TensorParallel(mesh["tp"], model_config, device) if mine.tp > 1 else None
-    state = ParallelState(mesh, device, tp, None)
+    state = ParallelState(mesh, device, tp, None, dims=ParallelDims(tp=mine.tp))  # one instance's degrees
     log.info("disaggregated: %d prefill instance(s) x %d ranks + %d decode instance(s) x %d ranks, backend %s",
              layout.prefill_instances, layout.prefill_size, layout.decode_instances, layout.decode_tp,
              dist.get_backend())

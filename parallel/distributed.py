@@ -2,9 +2,10 @@
 
 The processes are started by torchrun (or by `parallel.launch`, which re-launches through the same
 `torch.distributed.run`), so rank, world size and the rendezvous come from the environment that
-torchrun sets. This module checks the requested sizes against that world, and the model's head
-counts against the tensor-parallel size, before any collective or weight read: a bad configuration
-fails on every rank at once with the same message, instead of one rank waiting for another forever.
+torchrun sets. The degrees are one `ParallelDims` (parallel/dims.py), validated against that world
+and the model before any collective or weight read (a bad configuration fails on every rank at once
+with the same message, instead of one rank waiting for another forever); `build_parallel` then joins
+the process group and builds every group from it, once.
 
 Mesh: `init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))`: tp innermost,
 so a TP group is consecutive ranks (one node's devices), then the pipeline stages of a replica
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from toolkit.parallel.dims import ParallelConfigError, ParallelDims
+
 log = logging.getLogger("toolkit")
 
 MESH_DIM_NAMES = ("dp", "pp", "tp")
@@ -35,10 +38,6 @@ DEFAULT_TIMEOUT_S = 600.0
 # Data-parallel replicas meet only once, to gather their outputs on rank 0, and one may finish its
 # share hours after another: that one collective gets its own group with a day-long timeout.
 GATHER_TIMEOUT = timedelta(hours=24)
-
-
-class ParallelConfigError(ValueError):
-    """The parallel sizes do not fit the launch (world size) or the model (head counts)."""
 
 
 @dataclass
@@ -53,6 +52,7 @@ class ParallelState:
     # parallel.Lockstep when replicas must step together (dp > 1 with expert parallelism), else None
     lockstep: object | None = None
     pp: object | None = None  # parallel.pipeline.PipelineParallel when pp > 1, else None
+    dims: ParallelDims = ParallelDims()  # the validated degrees this state was built from
 
     @property
     def rank(self) -> int:
@@ -122,99 +122,78 @@ def dist_timeout() -> timedelta:
 
 
 def check_sizes(tp: int, dp: int, world_size: int, pp: int = 1) -> None:
-    sizes = (("tensor_parallel_size", tp), ("data_parallel_size", dp), ("pipeline_parallel_size", pp))
-    for name, size in sizes:
-        if not isinstance(size, int) or size < 1:
-            raise ParallelConfigError(f"{name} must be an integer >= 1, got {size!r}")
-    need = tp * dp * pp
-    if need != world_size:
-        product = f"tp x dp{' x pp' if pp > 1 else ''} = {need} processes"
-        hint = (
-            f"launch {product}, or choose sizes whose product is {world_size}"
-            if "LOCAL_RANK" in os.environ  # inside torchrun
-            else f"start it with torchrun --nproc-per-node {need} (or `toolkit generate --tp/--dp/--pp`, "
-            "which does that by itself)"
-        )
-        pp_part = f" x pipeline_parallel_size {pp}" if pp > 1 else ""
-        raise ParallelConfigError(
-            f"tensor_parallel_size {tp} x data_parallel_size {dp}{pp_part} = {need} processes, "
-            f"but this launch has a world size of {world_size}: {hint}"
-        )
+    ParallelDims(dp=dp, pp=pp, tp=tp).check_world(world_size)
 
 
 def setup_parallel(tp: int, dp: int, device: str | torch.device | None, model_config,
                    expert_parallel: bool = False, pp: int = 1, pp_layer_partition: str | None = None,
                    ) -> ParallelState | None:
     """Join the process group and build the mesh; None for a plain single-process run.
+    (`build_parallel` over `ParallelDims(dp, pp, tp, expert_parallel, pp_layer_partition)`.)"""
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp, expert_parallel=expert_parallel, pp_layer_partition=pp_layer_partition)
+    return build_parallel(dims, device, model_config)
 
-    `model_config` is checked against tp first (heads divisible, see `check_tensor_parallel`), with
-    `expert_parallel` its experts against tp x dp, and with pp > 1 its layers against the stages
-    (`layer_partition`), so those errors are raised before anything is loaded or any peer is waited for.
-    """
-    from toolkit.parallel.expert_parallel import check_expert_parallel, num_experts
-    from toolkit.parallel.pipeline import layer_partition
-    from toolkit.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
 
+def build_parallel(dims: ParallelDims, device: str | torch.device | None, model_config) -> ParallelState | None:
+    """Validate `dims` against the launch and `model_config` (heads over tp, experts over the expert
+    group, layers over the stages: `ParallelDims.validate`) before anything is loaded or any peer is
+    waited for, then join the process group and build every group once. None for a single process."""
     world = launched_world_size()
-    if expert_parallel and num_experts(model_config) is None:
-        log.warning("enable_expert_parallel: %s has no routed experts; ignored",
-                    getattr(model_config, "path", "the model"))
-        expert_parallel = False
-    stage_sizes = layer_partition(model_config.num_layers, pp, pp_layer_partition)
-    if tp * dp * pp == 1 and world == 1:
+    dims, stage_sizes = dims.validate(model_config, world)
+    if dims.world_size == 1 and world == 1:
         return None
-    check_sizes(tp, dp, world, pp)
-    if expert_parallel:
-        check_expert_parallel(model_config, tp * dp)
-    check_tensor_parallel(model_config, tp, expert_parallel=expert_parallel)
     device = local_device(device)
     _init_process_group(device, world)
-    mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=MESH_DIM_NAMES)
+    mesh = init_device_mesh(device.type, (dims.dp, dims.pp, dims.tp), mesh_dim_names=MESH_DIM_NAMES)
     _log_rank0_only()
-    tp_helper = TensorParallel(mesh["tp"], model_config, device, expert_parallel=expert_parallel) if tp > 1 else None
-    gather_group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT) if dp > 1 else None
-    ep, lockstep = None, None
-    if expert_parallel:
-        from toolkit.parallel.data_parallel import Lockstep
-        from toolkit.parallel.expert_parallel import ExpertParallel
+    state = ParallelState(mesh, device, tp=None, gather_group=None, dims=dims)
+    if dims.tp > 1:
+        from toolkit.parallel.tensor_parallel import TensorParallel
 
-        ep = ExpertParallel(model_config, tp_group=tp_helper.group if tp_helper else None,
-                            tp_rank=mesh.get_local_rank("tp"), tp_size=tp, group=_expert_group(mesh, dp, pp, tp))
-        # Every rank enters each MoE layer's all-to-all once per step: the replicas step together.
-        lockstep = Lockstep(dist.new_group(backend="gloo", timeout=dist_timeout())) if dp > 1 else None
-    pipeline = _pipeline(mesh, stage_sizes, model_config, tp, dp) if pp > 1 else None
-    state = ParallelState(mesh, device, tp_helper, gather_group, ep, lockstep, pipeline)
+        state.tp = TensorParallel(mesh["tp"], model_config, device, expert_parallel=dims.expert_parallel)
+    if dims.dp > 1:
+        state.gather_group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
+    if dims.expert_parallel:
+        _expert_parallel(state, dims, model_config)
+    if dims.pp > 1:
+        state.pp = _pipeline(state, dims, stage_sizes, model_config)
+    ep = state.ep
     log.info(
-        "parallel: world %d = dp %d x pp %d x tp %d%s, backend %s, device %s, collective timeout %.0f s",
-        world, dp, pp, tp, f", experts over {ep.size} ranks ({ep.num_local_experts} each)" if ep else "",
-        dist.get_backend(), device.type, dist_timeout().total_seconds(),
+        "parallel: world %d = %s, backend %s, device %s, collective timeout %.0f s%s",
+        world, dims.describe(), dist.get_backend(), device.type, dist_timeout().total_seconds(),
+        f", experts over {ep.size} ranks ({ep.num_local_experts} each)" if ep else "",
     )
-    if pipeline is not None:
+    if state.pp is not None:
         log.info("pipeline: layers per stage %s", ",".join(map(str, stage_sizes)))
     return state
 
 
-def _expert_group(mesh: DeviceMesh, dp: int, pp: int, tp: int):
-    """Expert parallelism's group: every rank (dp x tp), or with pipeline stages every rank of this
-    rank's stage in every replica (a stage's MoE layers are only there)."""
-    if pp == 1:
-        return None  # the world
-    mine = None
-    for stage in range(pp):  # every rank builds every stage's group, in the same order
-        ranks = [(d * pp + stage) * tp + t for d in range(dp) for t in range(tp)]
-        group = dist.new_group(ranks, backend="gloo" if mesh.device_type == "cpu" else None, timeout=dist_timeout())
-        if stage == mesh.get_local_rank("pp"):
-            mine = group
-    return mine
+def _expert_parallel(state: ParallelState, dims: ParallelDims, model_config) -> None:
+    """Expert parallelism's group: every rank of this rank's pipeline stage in every replica (dp x tp;
+    the world when pp = 1), and the replicas' lockstep: every rank enters each MoE layer's all-to-all
+    once per step, so with dp > 1 the replicas step together."""
+    from toolkit.parallel.data_parallel import Lockstep
+    from toolkit.parallel.expert_parallel import ExpertParallel
+
+    group = None  # the world
+    if dims.pp > 1:
+        for stage in range(dims.pp):  # every rank builds every stage's group, in the same order
+            g = dist.new_group(dims.stage_ranks(stage), backend="gloo" if state.device.type == "cpu" else None,
+                               timeout=dist_timeout())
+            if stage == state.mesh.get_local_rank("pp"):
+                group = g
+    tp_group = state.tp.group if state.tp is not None else None
+    state.ep = ExpertParallel(model_config, tp_group=tp_group, tp_rank=state.tp_rank, tp_size=dims.tp, group=group)
+    if dims.dp > 1:
+        state.lockstep = Lockstep(dist.new_group(backend="gloo", timeout=dist_timeout()))
 
 
-def _pipeline(mesh: DeviceMesh, stage_sizes: list[int], model_config, tp: int, dp: int):
+def _pipeline(state: ParallelState, dims: ParallelDims, stage_sizes: list[int], model_config):
     from toolkit.parallel.pipeline import PipelineParallel, StageSplit
 
-    pp = len(stage_sizes)
-    stage = StageSplit.of(mesh.get_local_rank("pp"), stage_sizes, bool(model_config.tie_word_embeddings))
-    replicas = [list(range(d * pp * tp, (d + 1) * pp * tp)) for d in range(dp)]
-    return PipelineParallel(mesh, stage, replicas, dist_timeout(), tp)
+    stage = StageSplit.of(state.mesh.get_local_rank("pp"), stage_sizes, bool(model_config.tie_word_embeddings))
+    replicas = [dims.replica_ranks(d) for d in range(dims.dp)]
+    return PipelineParallel(state.mesh, stage, replicas, dist_timeout(), dims.tp)
 
 
 def local_device(device: str | torch.device | None) -> torch.device:

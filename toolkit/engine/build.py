@@ -15,7 +15,7 @@ from toolkit.config import EngineConfig, UnsupportedModelError, check_device, ch
 from toolkit.engine.output_processor import OutputProcessor
 from toolkit.executor import build_executor
 from toolkit.kv_hierarchy import build_kv_hierarchy
-from toolkit.parallel import setup_parallel
+from toolkit.parallel import ParallelDims, build_parallel
 from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
 from toolkit.scheduling import Scheduler, SchedulerConfig
@@ -103,9 +103,10 @@ def _join(config: EngineConfig, mc):
                               config.prefill_tensor_parallel_size)
         parallel, disagg = setup_disaggregated(layout, config.device, mc)
         return parallel, disagg, dataclasses.replace(config, tensor_parallel_size=disagg.instance.tp)
-    parallel = setup_parallel(config.tensor_parallel_size, config.data_parallel_size, config.device, mc,
-                              expert_parallel=config.enable_expert_parallel, pp=config.pipeline_parallel_size,
-                              pp_layer_partition=config.pp_layer_partition)
+    dims = ParallelDims(dp=config.data_parallel_size, pp=config.pipeline_parallel_size,
+                        tp=config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel,
+                        pp_layer_partition=config.pp_layer_partition)
+    parallel = build_parallel(dims, config.device, mc)
     return parallel, None, config
 
 

@@ -10,6 +10,7 @@ shared 2-core machine.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -28,12 +29,62 @@ FLAGS = ["--eager", "--dtype", "float32", "--max-model-len", "128", "--kv-cache-
          "--max-tokens", "6", "--quiet"]
 PROMPTS = ["hello world", "a list comprehension is", "", "the quick brown fox", "tensor parallel"]
 TIMEOUT_S = 300  # a healthy launch takes ~20-60 s here: reaching this is a hang
+LONG_CONTEXT = 131_072
+# Each worker's peak resident memory may exceed the single process's by this much (gloo, the process
+# groups, DTensor): the KV caches of this run are a few MiB; the old default's were 0.3 of the
+# host's available memory shared by the workers (6 GiB on a 21 GiB host), far above it.
+WORKER_OVERHEAD = 256 * 2**20
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "toolkit.cli.main", "generate", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def run_cli_measured(*args) -> tuple[subprocess.CompletedProcess, int, list[int]]:
+    """run_cli, and the peak resident memory (VmHWM, bytes) of the process started and of each worker
+    it relaunched itself as, read from /proc every 20 ms while each lives: the last reading is its
+    peak up to then, and a KV cache is allocated at start and held to the end, so it is in it."""
+    import threading
+
+    import psutil  # accelerate depends on it
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    top = subprocess.Popen([sys.executable, "-m", "toolkit.cli.main", "generate", *map(str, args)], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peaks: dict[int, int] = {}
+    done = threading.Event()
+
+    def sample():
+        me = psutil.Process(top.pid)
+        while not done.wait(0.02):
+            for p in [me, *me.children(recursive=True)] if top.poll() is None else []:
+                peak = vm_hwm(p.pid)
+                if peak is not None and "toolkit.cli.main" in " ".join(_cmdline(p)):
+                    peaks[p.pid] = max(peaks.get(p.pid, 0), peak)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        stdout, stderr = top.communicate(timeout=TIMEOUT_S)
+    finally:
+        done.set()
+        sampler.join()
+        top.kill()
+    workers = [peak for pid, peak in peaks.items() if pid != top.pid]
+    return subprocess.CompletedProcess(top.args, top.returncode, stdout, stderr), peaks.get(top.pid, 0), workers
+
+
+def vm_hwm(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # it exited meanwhile
+        pass
+    return None
 
 
 def by_line(path: Path) -> dict[int, dict]:
@@ -47,28 +98,53 @@ def by_line(path: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_parallel")
-    ckpt = write_tokenizer(write_checkpoint(root / "llama3", "llama3", seed=3))
+    # A long context, so a KV cache sized for max_num_seqs requests of max_model_len tokens (the old
+    # default) would be large: 256 x 131,072 tokens x 256-512 bytes, 8-16 GiB per process.
+    ckpt = write_tokenizer(write_checkpoint(root / "llama3", "llama3", seed=3, max_position_embeddings=LONG_CONTEXT))
     prompts = root / "prompts.txt"
     prompts.write_text("".join(p + "\n" for p in PROMPTS))
     single = root / "single.jsonl"
-    proc = run_cli("-m", ckpt, "-i", prompts, "-o", single, *FLAGS)
+    proc, peak, _ = run_cli_measured("-m", ckpt, "-i", prompts, "-o", single, *FLAGS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     expected = by_line(single)
     assert sorted(expected) == [1, 2, 4, 5]  # the blank line 3 is skipped
-    return ckpt, prompts, expected
+    return Case(ckpt, prompts, expected, peak)
 
 
-@pytest.mark.parametrize("flag", ["--tp", "--dp", "--pp"])
-def test_two_processes_match_single_process(case, tmp_path, flag):
+class Case(tuple):
+    """(ckpt, prompts, expected), as the tests unpack it, and the single process's peak resident memory."""
+
+    def __new__(cls, ckpt, prompts, expected, peak):
+        case = super().__new__(cls, (ckpt, prompts, expected))
+        case.single_peak = peak
+        return case
+
+
+# The KV cache at its default size (no --kv-cache-memory, max_model_len the model's 131,072).
+DEFAULT_KV = [f for f in FLAGS if f not in ("--kv-cache-memory", "8MiB", "--max-model-len", "128")]
+
+
+@pytest.mark.parametrize("flags", [["--tp", 2], ["--dp", 2], ["--pp", 2], ["--tp", 2, "--dp", 2]],
+                         ids=["tp2", "dp2", "pp2", "tp2-dp2"])
+def test_parallel_runs_match_single_process_within_a_memory_budget(case, tmp_path, flags):
+    """Also the memory oracle (#36): every worker's default KV cache is sized for what this input asks
+    (4 requests of a few tokens each), so the workers' summed peak resident memory stays within what
+    as many single processes take, plus WORKER_OVERHEAD each. Sized as before, for 256 requests of
+    max_model_len tokens, each worker took its share of 0.3 of the available memory (gigabytes)."""
     ckpt, prompts, expected = case
     out = tmp_path / "out.jsonl"
-    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *FLAGS, flag, 2)
+    proc, _, workers = run_cli_measured("-m", ckpt, "-i", prompts, "-o", out, *DEFAULT_KV, *flags)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert by_line(out) == expected
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"], "shard files left behind"
     assert proc.stderr.count("done:") == 1, "only rank 0 prints the summary"
-    if flag == "--pp":  # each stage's idle share is reported
+    if "--pp" in flags:  # each stage's idle share is reported
         assert "pipeline idle: stage 1 (layers 0-0)" in proc.stderr and "stage 2 (layers 1-1)" in proc.stderr
+    nproc = math.prod(size for size in flags if isinstance(size, int))
+    assert len(workers) == nproc, workers
+    budget = nproc * (case.single_peak + WORKER_OVERHEAD)
+    assert sum(workers) <= budget, (f"workers' peak memory {[w >> 20 for w in workers]} MiB sums over the budget "
+                                    f"{budget >> 20} MiB (single process {case.single_peak >> 20} MiB)")
 
 
 DISAGGREGATED = ["--prefill-instances", "1", "--decode-instances", "1"]

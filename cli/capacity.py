@@ -22,15 +22,18 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 @dataclass
 class CheckpointSize:
-    parameters: int  # tensor elements in the safetensors files, tied copies and recomputed buffers left out
+    parameters: int  # tensor elements in the safetensors (or GGUF) files, tied copies and recomputed buffers left out
     bytes: int  # the same tensors' bytes as stored
-    dtypes: list[str]
+    dtypes: list[str]  # safetensors dtypes (F32, BF16, ...) or GGUF tensor types (F32, Q4_1, ...)
+    tensors_per_dtype: dict[str, int]
 
 
 def checkpoint_size(config: ModelConfig) -> CheckpointSize:
-    """Read from the safetensors headers only: no tensor data is loaded."""
+    """Read from the safetensors headers (or the GGUF tensor infos) only: no tensor data is loaded."""
+    from toolkit.gguf_checkpoint import GGUFSlice
+
     parameters = nbytes = 0
-    dtypes: set[str] = set()
+    dtypes: dict[str, int] = {}
     for file in checkpoint_files(config.path):
         with open_checkpoint_file(file) as f:
             for name in f.keys():
@@ -40,9 +43,10 @@ def checkpoint_size(config: ModelConfig) -> CheckpointSize:
                 sl = f.get_slice(name)
                 count = math.prod(sl.get_shape())
                 parameters += count
-                nbytes += count * _itemsize(sl.get_dtype())
-                dtypes.add(sl.get_dtype())
-    return CheckpointSize(parameters, nbytes, sorted(dtypes))
+                # A quantized type packs blocks of elements with their scales: the file says its bytes.
+                nbytes += sl.nbytes if isinstance(sl, GGUFSlice) else count * _itemsize(sl.get_dtype())
+                dtypes[sl.get_dtype()] = dtypes.get(sl.get_dtype(), 0) + 1
+    return CheckpointSize(parameters, nbytes, sorted(dtypes), dict(sorted(dtypes.items())))
 
 
 def _itemsize(safetensors_dtype: str) -> int:

@@ -19,7 +19,8 @@ from toolkit.weights import checkpoint_files
 TRAINED_MODEL = Path(__file__).resolve().parent.parent / "toolkit" / "default_model" / "target"
 TRAINED_DRAFT = TRAINED_MODEL.parent / "draft"  # its speculative-decoding draft (same tokenizer)
 RANDOM_MODEL_NAME = "default-random"
-HELP_MODEL = "expected a Hugging Face model folder with config.json, *.safetensors and tokenizer files"
+HELP_MODEL = ("expected a Hugging Face model folder with config.json, *.safetensors and tokenizer files, "
+              "or a .gguf file")
 
 
 def resolve_model(model: Path | None, warn) -> Path:
@@ -41,6 +42,8 @@ def resolve_model(model: Path | None, warn) -> Path:
 def check_model_folder(path: Path) -> None:
     if not path.exists():
         raise CliError(f"model folder not found: {path}; {HELP_MODEL}")
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return  # read (and refused when broken) by load_model_config, in one line
     if not path.is_dir():
         raise CliError(f"{path} is a file, not a model folder; {HELP_MODEL}")
     if not (path / "config.json").is_file():

@@ -51,7 +51,8 @@ def model_identity(path: Path, dtype: str) -> dict:
     where it is, its config, and the names and sizes of its weight files."""
     path = Path(path).resolve()
     weights = sorted((f.name, f.stat().st_size) for f in map(Path, checkpoint_files(path)))
-    return {"path": str(path), "config": (path / "config.json").read_text(), "weights": weights, "dtype": dtype}
+    config = (path / "config.json").read_text() if path.is_dir() else ""  # a GGUF file: its size and name say it
+    return {"path": str(path), "config": config, "weights": weights, "dtype": dtype}
 
 
 def _canonical(value) -> bytes:

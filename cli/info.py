@@ -23,7 +23,7 @@ from toolkit.cli.sizes import format_size, parse_size
 
 def info(
     model: Annotated[Optional[Path], typer.Argument(
-        help="Hugging Face model folder (config.json and *.safetensors). Default: the built-in model.",
+        help="Hugging Face model folder (config.json and *.safetensors) or a .gguf file. Default: the built-in model.",
         show_default=False)] = None,
     memory: Annotated[Optional[list[int]], typer.Option(
         parser=parse_size, metavar="SIZE", show_default=False,
@@ -39,7 +39,8 @@ def info(
 ):
     """Model size: parameters, weight and KV bytes, and what fits in a memory budget per TP size.
 
-    Shows the architecture, the parameter count (cross-checked against the safetensors headers),
+    Shows the architecture, the parameter count (cross-checked against the safetensors headers, or a
+    GGUF file's tensors), the stored tensor types (a GGUF file's quantization types) with their counts,
     weight bytes per dtype, KV-cache bytes per token, and for each memory budget and each
     tensor-parallel size the model can be split into: the KV tokens and concurrent max_model_len requests
     that fit per GPU.
@@ -97,6 +98,7 @@ def build_report(path: Path, budgets: list[int], dtype: str, max_model_len: int 
         "parameters_match": stored.parameters == config.num_parameters,
         "checkpoint_bytes": stored.bytes,
         "checkpoint_tensor_dtypes": stored.dtypes,
+        "checkpoint_tensors_per_dtype": stored.tensors_per_dtype,  # a GGUF file's quantization types, counted
         "weight_bytes": {name: config.num_parameters * dt.itemsize for name, dt in cap.WEIGHT_DTYPES.items()},
         "dtype": _name(serving_dtype),
         "kv_bytes_per_token": kv_cache_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
@@ -117,7 +119,8 @@ def print_report(r: dict, console: Console) -> None:
         f"  heads {r['num_heads']}, kv heads {r['num_kv_heads']}, head_dim {r['head_dim']}, "
         f"tied embeddings {'yes' if r['tie_word_embeddings'] else 'no'}",
         f"  parameters {r['num_parameters']:,} ({match}); stored as "
-        f"{', '.join(r['checkpoint_tensor_dtypes'])}, {format_size(r['checkpoint_bytes'])}",
+        f"{', '.join(f'{n} {k}' for k, n in r['checkpoint_tensors_per_dtype'].items())} tensors, "
+        f"{format_size(r['checkpoint_bytes'])}",
         "  weights " + ", ".join(f"{k} {format_size(v)}" for k, v in r["weight_bytes"].items()),
         f"  KV cache {r['kv_bytes_per_token']:,} bytes/token in {r['dtype']} "
         f"({format_size(r['kv_bytes_per_token'] * r['max_model_len'])} per {r['max_model_len']}-token request)",

@@ -359,12 +359,18 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype) -> to
 
 
 def load_model_config(path: str | os.PathLike) -> ModelConfig:
+    """A Hugging Face model folder's config.json, or a GGUF file's metadata (toolkit/gguf_checkpoint.py)."""
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model folder not found: {path}")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in model folder {path}")
-    hf = _read_hf_config(path)
+    if path.suffix.lower() == ".gguf":
+        from toolkit.gguf_checkpoint import hf_config
+
+        hf = hf_config(path)
+    else:
+        if not path.is_dir():
+            raise FileNotFoundError(f"model folder not found: {path}")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in model folder {path}")
+        hf = _read_hf_config(path)
     arch = _architecture(hf, path)
     _check_supported_options(hf, arch)
 
@@ -440,6 +446,7 @@ def _moe_config(hf, arch: str, family: str) -> MoEConfig:
 def _read_hf_config(path: Path):
     from transformers import AutoConfig
 
+    _check_named_architecture(path)
     try:
         return AutoConfig.from_pretrained(path)  # never trust_remote_code: the toolkit runs only its own model code
     except ValueError:
@@ -450,6 +457,27 @@ def _read_hf_config(path: Path):
         named = ", ".join(raw.get("architectures") or []) or "none named in config.json"
         raise UnsupportedModelError(f"unsupported architecture in {path}: {named} (the checkpoint's own code); "
                                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from None
+
+
+def _check_named_architecture(path: Path) -> None:
+    """An architecture the toolkit does not run, said in one line before transformers (whose error for
+    a model type it does not know is several lines of advice to upgrade it)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnsupportedModelError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise UnsupportedModelError(f"{path / 'config.json'} is not a JSON object")
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        named = ", ".join(map(str, archs))
+    elif not archs and model_type is not None and model_type not in SUPPORTED_ARCHITECTURES.values():
+        named = f"model_type {model_type!r}"
+    else:
+        return
+    raise UnsupportedModelError(f"unsupported architecture in {path}: {named}; the toolkit runs "
+                                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _architecture(hf, path) -> str:

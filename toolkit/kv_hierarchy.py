@@ -159,10 +159,13 @@ def kv_fingerprint(config, model_config, tp=None, stage=None) -> str:
     so another model or another shard never reads it."""
     h = hashlib.blake2b(digest_size=12)
     model = Path(model_config.path)
-    h.update((model / "config.json").read_bytes())
+    if model.is_file():  # a GGUF file: its metadata is in its first MiB
+        h.update(_sample(model))
+    else:
+        h.update((model / "config.json").read_bytes())
     if config.load_format == "dummy":
         h.update(f"dummy weights, seed {config.seed}".encode())
-    else:
+    elif model.is_dir():
         for file in sorted(model.glob("*.safetensors")):
             h.update(_sample(file))
     layout = {"format": FORMAT_VERSION, "dtype": str(config.dtype), "block_size": config.block_size,

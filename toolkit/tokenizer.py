@@ -1,4 +1,5 @@
-"""Tokenizer, end-of-sequence ids and chat template, all through transformers from the checkpoint folder."""
+"""Tokenizer, end-of-sequence ids and chat template, all through transformers from the checkpoint folder
+(or from a GGUF file, which stores them)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,31 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def load_tokenizer(path: str | Path):
-    """The checkpoint's tokenizer, or None when the folder has no tokenizer files (token-id prompts only)."""
+    """The checkpoint's tokenizer, or None when the folder has no tokenizer files (token-id prompts only).
+    A GGUF file's is the one stored in it, chat template included."""
     from transformers import AutoTokenizer
 
     path = Path(path)
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+    if not has_tokenizer(path):
         return None
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    if path.is_file():
+        from toolkit.gguf_checkpoint import load_tokenizer as load_gguf_tokenizer
+
+        tokenizer = load_gguf_tokenizer(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
     # Prompts are bounded by max_model_len, checked by the engine; the tokenizer's own limit would only
     # print a warning about "sequence length" that says nothing about what the engine accepts.
     tokenizer.model_max_length = int(1e30)
     return tokenizer
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """A GGUF file (which stores its tokenizer) or a folder with a tokenizer file."""
+    path = Path(path)
+    if path.is_file():
+        return path.suffix.lower() == ".gguf"
+    return any((path / f).is_file() for f in TOKENIZER_FILES)
 
 
 def eos_token_ids(config: ModelConfig, tokenizer) -> frozenset[int]:

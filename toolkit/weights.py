@@ -1,9 +1,12 @@
-"""Build a model on the meta device and fill it from safetensors files.
+"""Build a model on the meta device and fill it from safetensors files (or one GGUF file).
 
 The model is constructed under accelerate's `init_empty_weights`, so no random initialization
 is ever paid; each tensor is then read once from the checkpoint, cast to the serving dtype and
 put in place. A checkpoint that does not match the model exactly (a missing tensor, an unknown
 one, a wrong shape) is an error naming the tensor: serving silently wrong weights is worse.
+
+A GGUF file (toolkit/gguf_checkpoint.py) is read through the same loop: its tensors are offered under
+Hugging Face names with the slice interface of safetensors, de-quantized as they are read.
 
 Mixture-of-experts checkpoints hold one tensor per expert and projection
 (`...experts.{e}.{gate|up|down}.weight`, the names in `Experts.checkpoint_names`); the model holds
@@ -48,7 +51,13 @@ class CheckpointError(ValueError):
 
 @contextmanager
 def open_checkpoint_file(file: Path):
-    """safe_open, with a truncated or corrupt file reported as a CheckpointError naming it."""
+    """safe_open, with a truncated or corrupt file reported as a CheckpointError naming it; a GGUF
+    file's tensors under Hugging Face names (the same `keys()` and `get_slice(name)`)."""
+    if file.suffix.lower() == ".gguf":
+        from toolkit.gguf_checkpoint import GGUFTensors
+
+        yield GGUFTensors(file)
+        return
     try:
         handle = safe_open(file, framework="pt", device="cpu")
     except SafetensorError as e:
@@ -59,8 +68,10 @@ def open_checkpoint_file(file: Path):
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: sharded (with an index) or a single file."""
+    """The safetensors files of a checkpoint: sharded (with an index) or a single file; a GGUF file is its own."""
     path = Path(path)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return [path]
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]

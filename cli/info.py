@@ -15,6 +15,7 @@ from rich.table import Table
 
 from toolkit.attention.kv_cache import kv_cache_bytes_per_token
 from toolkit.cli import capacity as cap
+from toolkit.cli import host_plan
 from toolkit.cli.default_model import check_model_folder, resolve_model
 from toolkit.cli.errors import CliError, exit_with, stderr_console
 from toolkit.cli.options import VerboseOpt
@@ -34,6 +35,14 @@ def info(
     max_model_len: Annotated[Optional[int], typer.Option(
         min=1, show_default=False, help="Request length for the concurrency column. Default: max_position_embeddings.")] = None,
     block_size: Annotated[int, typer.Option(min=1, help="KV-cache block size (tokens are counted in whole blocks).")] = 16,
+    tp: Annotated[Optional[int], typer.Option("--tp", min=1, show_default=False, help=(
+        "With --pp/--dp: the one layout the host table shows. Default: every TP size, --dp 2 and --pp 2."))] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", min=1, show_default=False, help="See --tp.")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", min=1, show_default=False, help="See --tp.")] = None,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Requests at once, for the host table.")] = 256,
+    max_request_tokens: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False, help="The workload's longest request (prompt + output tokens), for the host "
+                                        "table. Default: max_model_len.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     verbose: VerboseOpt = False,
 ):
@@ -53,12 +62,17 @@ def info(
                                    soft_wrap=True)
         report = build_report(model, memory or [parse_size(m) for m in cap.DEFAULT_BUDGETS], dtype,
                               max_model_len, block_size)
+        layouts = None if (tp, pp, dp) == (None, None, None) else [(tp or 1, pp or 1, dp or 1)]
+        # What a CPU run of each layout takes on this host (cli/host_plan.py).
+        report["host"] = host_plan.for_model(model, dtype, layouts, block_size, max_num_seqs, max_model_len,
+                                             max_request_tokens)
     except CliError as e:
         exit_with(e)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
         print_report(report, Console())
+        Console().print(host_plan.format_plan(report["host"]), soft_wrap=True, markup=False, highlight=False)
 
 
 def build_report(path: Path, budgets: list[int], dtype: str, max_model_len: int | None, block_size: int) -> dict:

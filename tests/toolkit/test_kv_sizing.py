@@ -115,3 +115,25 @@ def test_a_run_that_cannot_fit_fails_before_loading(ckpt, host, monkeypatch):
         f"this run needs at least {need / 2**20:.2f} MiB (2 processes x ({weights / 2**10:.2f} KiB of weights + "
         "256.00 KiB of KV cache for one 512-token request)) but the host has 300.00 KiB available: lower "
         "max_model_len (--max-model-len)")
+
+
+def test_info_host_rows_per_layout(ckpt):
+    """`toolkit info`'s host table (cli/host_plan.py) for --tp 2 --dp 2 and --pp 2, by hand: 4 or 2
+    processes share 0.3 of 1 GiB; each holds 1/tp or 1/pp of the weights, and a cache of its own kv
+    heads or layers (256 bytes a token), at most 8 requests of 100 tokens (7 blocks each)."""
+    import torch
+
+    from toolkit.cli.host_plan import host_row
+    from toolkit.config import load_model_config
+
+    config = load_model_config(ckpt)
+    weights = config.num_parameters * 4
+    row = host_row(config, torch.float32, tp=2, pp=1, dp=2, available=GiB, block_size=16, max_num_seqs=8,
+                   max_model_len=512, max_request_tokens=100)
+    assert (row.processes, row.weight_bytes_per_process) == (4, weights // 2)
+    assert row.kv_bytes_per_process == 8 * 7 * 16 * 256  # 0.3 GiB / 4 is far more than 8 requests use
+    assert row.total_bytes == 4 * (weights // 2 + 8 * 7 * 16 * 256) and row.fits
+    row = host_row(config, torch.float32, tp=1, pp=2, dp=1, available=700 * 2**10, block_size=16, max_num_seqs=8,
+                   max_model_len=512, max_request_tokens=None)
+    assert row.kv_bytes_per_process == (int(700 * 2**10 * 0.3) // 2) // (16 * 256) * (16 * 256)  # the budget binds
+    assert row.min_total_bytes == 2 * (weights // 2 + 32 * 16 * 256) and not row.fits  # one 512-token request

@@ -78,7 +78,9 @@ MaxModelLenOpt = Annotated[Optional[int], typer.Option(
     help="Longest prompt + output, in tokens. Default: the model's max_position_embeddings.")]
 KVMemoryOpt = Annotated[Optional[int], typer.Option(
     parser=parse_size, metavar="SIZE", rich_help_panel=ENGINE, show_default=False,
-    help="KV-cache memory, e.g. 2GiB, 512MiB or bytes. Default: 90% of free GPU memory, 30% of free RAM on CPU.")]
+    help="KV-cache memory, e.g. 2GiB, 512MiB or bytes. Default: 90% of free GPU memory; on CPU 30% of the "
+         "available RAM shared by the run's processes on this host, and never more than --max-num-seqs requests of "
+         "the longest request can use.")]
 EagerOpt = Annotated[bool, typer.Option(
     "--eager", rich_help_panel=ENGINE, help="Run the model eagerly, without torch.compile (faster start, slower steps).")]
 BackendOpt = Annotated[Optional[AttentionBackend], typer.Option(

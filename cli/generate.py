@@ -41,6 +41,7 @@ class IOArgs:
     fail_fast: bool
     quiet: bool
     window: int
+    chat: bool | None = None  # a PROMPT through the chat template; None: when the model has one
 
 
 @dataclass
@@ -107,7 +108,12 @@ class Ranks:
 
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(
-        show_default=False, help="One prompt to complete; the text is printed to stdout. Or use --input.")] = None,
+        show_default=False, help="One prompt (by default a user message, through the model's chat template "
+                                 "when it has one); the text is printed to stdout. Or use --input.")] = None,
+    chat: Annotated[Optional[bool], typer.Option(
+        "--chat/--no-chat", show_default=False,
+        help="Send PROMPT as a user message through the model's chat template (--chat), or as text to complete "
+             "(--no-chat). Default: --chat when the model has a chat template.")] = None,
     input: Annotated[Optional[Path], typer.Option(
         "--input", "-i", rich_help_panel=o.IO, show_default=False,
         help="Prompts file: plain text (one prompt per line), JSONL ({id, prompt|messages, ...sampling fields}) "
@@ -177,7 +183,7 @@ def generate(
     Exit codes: 0 every line succeeded; 1 some line failed (its error record names the line);
     2 the job could not start (bad flag, missing model or input file).
     """
-    io = IOArgs(prompt, input, output, input_format.value, fail_fast, quiet, window)
+    io = IOArgs(prompt, input, output, input_format.value, fail_fast, quiet, window, chat)
     sampling = dict(
         n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_tokens=max_tokens,
         min_tokens=min_tokens, stop=stop or [], stop_token_ids=stop_token_id or [], ignore_eos=ignore_eos,
@@ -302,7 +308,7 @@ def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict
         raise CliError("a PROMPT's completion is printed to stdout; --input and --output are for prompt files")
     console = stderr_console() if ranks.main else Console(quiet=True)
     base = base_params(sampling)
-    job = Job(line=1, id=1, prompt=io.prompt, params=base)
+    job = prompt_job(io, model, engine_args, base)
     engine = load_engine(model, with_workload(engine_args, model, [job]), console, io.quiet, text_from="a text PROMPT")
 
     def print_text(record: dict) -> None:
@@ -316,6 +322,19 @@ def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict
     except LineFailed as e:
         raise CliError(str(e).removeprefix("line 1: "), code=EXIT_LINE_FAILED) from None
     return 0
+
+
+def prompt_job(io: IOArgs, model: Path | None, engine_args: dict, params: SamplingParams) -> Job:
+    """The PROMPT as a user message through the chat template (--chat, or by default where the model has
+    one: an instruct model answers a question only in its chat format), else as text to complete."""
+    from toolkit.tokenizer import has_chat_template
+
+    chat = io.chat
+    if chat is None:
+        chat = has_chat_template(engine_args.get("tokenizer") or resolve_model(model, lambda message: None))
+    if chat:
+        return Job(line=1, id=1, kind="chat", messages=[{"role": "user", "content": io.prompt}], params=params)
+    return Job(line=1, id=1, prompt=io.prompt, params=params)
 
 
 def print_completions(completions: list[dict], with_logprobs: bool) -> None:

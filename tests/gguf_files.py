@@ -1,0 +1,166 @@
+"""GGUF files for tests, written as llama.cpp's converter writes them, and transformers oracles on
+their de-quantized weights.
+
+`write_gguf` writes a small seeded random model with the `gguf` package's writer: llama.cpp's tensor
+names, 1-D tensors in F32, every matrix in the case's type, and for the llama architecture the q/k
+rows permuted. It returns a transformers model holding the same weights, de-quantized here with
+`gguf.quants.dequantize` before any permutation, so the oracle never runs the loader's
+un-permutation. `dequantized_model` builds the same oracle for an existing file (the real SmolLM2
+one): transformers' reading of the metadata, the tensors de-quantized and un-permuted here, whole.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tests.checkpoints import CHAT_TEMPLATE, COMMON
+
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# (GGUF architecture, transformers config and model classes, config changes)
+FAMILIES = {
+    "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}),
+    "llama_tied_mqa": ("llama", "LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True,
+                                                                        num_key_value_heads=1)),
+    "qwen2": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+}
+
+
+def gguf_name(hf: str) -> str:
+    base, kind = hf.rsplit(".", 1)
+    if base in GLOBAL:
+        return f"{GLOBAL[base]}.{kind}"
+    _, _, layer, rest = base.split(".", 3)
+    return f"blk.{layer}.{LAYER[rest]}.{kind}"
+
+
+def llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py permutation of q/k rows (rows may be quantized bytes)."""
+    return rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def quantize(tensor: torch.Tensor, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
+    """(what the file stores, in HF row order; its de-quantized float32 values)."""
+    stored = gguf.quants.quantize(tensor.float().numpy(), qtype)
+    return stored, gguf.quants.dequantize(stored, qtype).reshape(tensor.shape).astype(np.float32)
+
+
+def write_gguf(path: Path, family: str, qtype: str, seed: int = 0, tokenizer: Path | None = None, arch=None,
+               raw: dict | None = None, **overrides):
+    """Writes the case's GGUF file; returns the transformers model holding its de-quantized weights.
+    `raw` replaces named tensors by (bytes, type) as stored; `arch` overrides general.architecture;
+    `overrides` change the config."""
+    import transformers
+
+    gguf_arch, config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    writer = gguf.GGUFWriter(path, arch or gguf_arch)
+    add_metadata(writer, config)
+    if tokenizer is not None:
+        add_tokenizer(writer, tokenizer, config.vocab_size)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        kind = Q[qtype] if tensor.dim() == 2 else Q.F32  # llama.cpp keeps norms (and biases) in F32
+        stored, values = quantize(tensor, kind)
+        state[name] = torch.from_numpy(values)
+        if raw is not None and name in raw:
+            stored, kind = raw[name]
+        if gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            stored = llama_cpp_permute(stored, heads)
+        writer.add_tensor(gguf_name(name), stored, raw_dtype=kind if stored.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def add_metadata(writer, config) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+
+
+def add_tokenizer(writer, folder: Path, vocab_size: int) -> None:
+    """The tests' byte-level BPE tokenizer as llama.cpp stores a gpt2-style one."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
+    specials = {t["content"] for t in data["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def dequantized_model(path: Path):
+    """A transformers Llama holding an existing file's weights: its config as transformers reads the
+    metadata, the tensors de-quantized whole and their q/k rows un-permuted here (not by the loader)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = LlamaConfig(**load_gguf_checkpoint(path, return_tensors=False)["config"])
+    names = {v: k for k, v in GLOBAL.items()} | {v: k for k, v in LAYER.items()}
+    state = {}
+    for t in gguf.GGUFReader(path).tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        base, kind = t.name.rsplit(".", 1)
+        if base.startswith("blk."):
+            _, layer, part = base.split(".", 2)
+            if part in ("attn_q", "attn_k"):
+                heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
+                values = values.reshape(heads, values.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(values.shape)
+            name = f"model.layers.{layer}.{names[part]}.{kind}"
+        else:
+            name = f"{names[base]}.{kind}"
+        state[name] = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model = LlamaForCausalLM(config).eval()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding), stopping at the config's EOS."""
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs

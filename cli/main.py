@@ -1,4 +1,5 @@
-"""The `toolkit` command line: `generate` (offline batch generation), `info` (model sizing), `bench` (benchmarks)."""
+"""The `toolkit` command line: `generate` (offline batch generation), `serve` (an OpenAI-compatible server),
+`info` (model sizing), `bench` (benchmarks)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from toolkit.cli.generate import generate
 from toolkit.cli.help import GroupedHelpCommand
 from toolkit.cli.info import info
 from toolkit.cli.options import VerboseOpt
+from toolkit.cli.serve import serve
 
 app = typer.Typer(
     help="A small, torch.compile-centric LLM inference toolkit. Run `toolkit COMMAND --help` for a command's flags.",
@@ -44,6 +46,7 @@ def main(verbose: VerboseOpt = False,
 
 
 app.command(cls=GroupedHelpCommand)(generate)
+app.command(cls=GroupedHelpCommand)(serve)
 app.command(cls=GroupedHelpCommand)(info)
 app.add_typer(bench_app, name="bench")
 

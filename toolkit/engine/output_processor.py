@@ -171,6 +171,21 @@ class OutputProcessor:
 
     # --- requests out -----------------------------------------------------------------------------
 
+    def partial(self, request_id: str) -> list[CompletionOutput]:
+        """A running user request's sequences as they stand after the last retired step (a server
+        streams the growth of these): text, token ids and logprobs so far, finish_reason set on the
+        sequences already done. Views of live state, not copies: read them before the next step."""
+        group = self.groups[request_id]
+        out = []
+        for index, child in enumerate(group.children):
+            if index in group.done:
+                out.append(group.done[index])
+                continue
+            tracked = self.tracked[child]
+            text = tracked.detokenizer.output_text if tracked.detokenizer else ""
+            out.append(CompletionOutput(index, text, tracked.request.output_token_ids, logprobs=tracked.logprobs))
+        return out
+
     def finish(self, requests) -> list[RequestOutput]:
         """The user requests that these finished sequences complete."""
         out = []

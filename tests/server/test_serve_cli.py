@@ -1,0 +1,45 @@
+"""`toolkit serve`'s command line, without starting a server: help, and the mistakes caught before loading."""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import typer
+from typer.testing import CliRunner
+
+from toolkit.cli.main import app
+
+
+def toolkit(*args, env=None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env, catch_exceptions=False)
+
+
+def test_help_is_plain_and_whole_at_80_columns():
+    result = toolkit("serve", "--help", env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert max(map(len, text.splitlines())) <= 80, text
+    assert not set("╭╰│─…") & set(text), text
+    command = typer.main.get_command(app).commands["serve"]
+    for param in command.params:
+        for opt in param.opts + param.secondary_opts if param.param_type_name == "option" else ():
+            assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", text), f"{opt} is not in full in:\n{text}"
+    for flag in ("--tp", "--pp", "--kv-cache-memory", "--speculative-config", "--max-waiting", "--host", "--port"):
+        assert flag in text
+
+
+def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        # The model folder does not exist: had the command got as far as loading, it would say so instead.
+        result = toolkit("serve", tmp_path / "no-model", "--port", port)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: cannot listen on 127.0.0.1:") and len(result.stderr.splitlines()) == 1
+
+
+def test_two_different_models_are_an_error(tmp_path):
+    result = toolkit("serve", tmp_path / "a", "--model", tmp_path / "b")
+    assert result.exit_code == 2 and "two models given" in result.stderr

@@ -1,0 +1,283 @@
+"""The engine core in its own thread, fed by the HTTP front end and streaming outputs back as they grow.
+
+Every rank of the job runs the same loop: take the requests and aborts that arrived, apply them to
+the engine, step it. Only global rank 0 has an HTTP front end; it broadcasts what arrived to the
+other ranks before each step (`RankSync.share`, the one place ranks agree on the input), so every
+rank of a tensor- or pipeline-parallel engine adds, aborts and steps in the same order, as the
+engine requires. When nothing runs, rank 0 still sends an empty batch every `HEARTBEAT_S`, so the
+other ranks' wait in the broadcast never reaches the collective timeout of an idle server.
+
+After each step rank 0 cuts each live request's new tokens, text and logprobs from the output
+processor (`OutputProcessor.partial`) and hands them to the request's `Stream`, an asyncio queue
+read by the HTTP handler on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from toolkit.outputs import CompletionOutput, Logprob, RequestOutput
+from toolkit.sampling_params import SamplingParams
+
+log = logging.getLogger("toolkit")
+
+HEARTBEAT_S = 1.0  # an idle rank 0 still broadcasts (empty) this often
+
+
+class Overloaded(Exception):
+    """More sequences wait than --max-waiting allows (the HTTP side answers 503)."""
+
+
+@dataclass
+class NewRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+
+
+@dataclass
+class StepInput:
+    """What rank 0 hands every rank before a step: requests to add and abort, or the order to stop."""
+
+    adds: list[NewRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    stop: bool = False
+
+
+@dataclass
+class SequenceDelta:
+    """What one of a request's n sequences gained in a step."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class Update:
+    """One step's news for a request: its sequences' deltas; `final` (the whole RequestOutput) once
+    done; `error` when the engine refused or failed it with nothing generated."""
+
+    deltas: list[SequenceDelta]
+    final: RequestOutput | None = None
+    error: str | None = None
+    status: int = 400  # of the error: the request's fault (400), or the engine's (500)
+
+
+class Stream:
+    """One engine request's updates, put by the engine thread on an asyncio queue read on the event
+    loop, tagged (a request with several prompts reads all of theirs from one queue)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, params: SamplingParams, updates: asyncio.Queue, tag=None):
+        self.loop, self.params, self.updates, self.tag = loop, params, updates, tag
+        # Engine-thread state: what has been handed out per sequence (tokens, characters of text).
+        self.sent_tokens = [0] * params.n
+        self.sent_text = [0] * params.n
+        self.done = [False] * params.n
+
+    def put(self, update: Update) -> None:
+        self.loop.call_soon_threadsafe(self.updates.put_nowait, (self.tag, update))
+
+
+class RankSync:
+    """The ranks' agreement on each step's input: rank 0's StepInput broadcast to the job's other
+    ranks on a gloo group of their own (built once, by every rank, after the engine's groups)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        from toolkit.parallel.distributed import dist_timeout
+
+        self.dist = dist
+        self.rank = dist.get_rank()
+        self.group = dist.new_group(backend="gloo", timeout=dist_timeout())
+
+    def share(self, batch: StepInput | None) -> StepInput:
+        box = [batch]
+        self.dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+class EngineLoop:
+    def __init__(self, engine, max_waiting: int, sync: RankSync | None = None, on_finished=None):
+        self.engine, self.max_waiting, self.sync = engine, max_waiting, sync
+        self.on_finished = on_finished  # called with each finished RequestOutput (the server's metrics)
+        self.serving = sync is None or sync.rank == 0  # this rank takes requests (HTTP)
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, Stream] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._pending_sequences = 0  # submitted, not yet in the engine (under _lock)
+        self.num_waiting = 0  # the scheduler's waiting sequences after the last step (read by submit)
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what ended the loop, if not a stop
+
+    # --- the HTTP side (any thread) ---------------------------------------------------------------
+
+    def submit(self, request: NewRequest, stream: Stream) -> None:
+        """Queue a checked request; raises Overloaded when too many sequences already wait."""
+        with self._lock:
+            waiting = self.num_waiting + self._pending_sequences
+            if waiting + request.params.n > self.max_waiting:
+                raise Overloaded(f"{waiting} sequences are waiting and --max-waiting is {self.max_waiting}; "
+                                 "retry later")
+            self._pending_sequences += request.params.n
+        self._inbox.put(("add", request, stream))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def call(self, fn) -> Future:
+        """Run fn(engine) on the engine thread between steps (the engine is not thread-safe)."""
+        future: Future = Future()
+        self._inbox.put(("call", fn, future))
+        return future
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort what is still running, tell the other ranks to stop, and wait for the thread."""
+        self._inbox.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- the loop (every rank) --------------------------------------------------------------------
+
+    def run(self) -> None:
+        busy = False
+        try:
+            while True:
+                batch = self._collect(wait=not busy) if self.serving else None
+                if self.sync is not None:
+                    batch = self.sync.share(batch)
+                self._apply(batch)
+                if batch.stop:
+                    return
+                # Asked once per step on every rank (a collective under some layouts: Engine.has_unfinished).
+                busy = self.engine.has_unfinished()
+                if busy:
+                    self._publish(self.engine.step())
+                self.num_waiting = self.engine.scheduler.num_waiting
+        except BaseException as e:  # noqa: BLE001  the HTTP side reports a dead engine (503) instead of hanging
+            self.failure = e
+            log.exception("the engine loop failed")
+            for stream in self._streams.values():
+                stream.put(Update([], error=f"the engine failed: {type(e).__name__}: {e}", status=500))
+            self._streams.clear()
+            if not self.serving:
+                raise
+
+    def _collect(self, wait: bool) -> StepInput:
+        """Rank 0: everything that arrived since the last step; when the engine was idle, wait for
+        something first (at most a heartbeat)."""
+        batch = StepInput()
+        try:
+            item = self._inbox.get(timeout=HEARTBEAT_S) if wait else self._inbox.get_nowait()
+            while True:
+                self._take(item, batch)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return batch
+
+    def _take(self, item: tuple, batch: StepInput) -> None:
+        kind = item[0]
+        if kind == "add":
+            _, request, stream = item
+            self._streams[request.request_id] = stream
+            batch.adds.append(request)
+        elif kind == "abort":
+            batch.aborts.append(item[1])
+        elif kind == "call":
+            _, fn, future = item
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001  the caller gets it
+                future.set_exception(e)
+        else:  # stop: what still runs is aborted with it
+            batch.stop = True
+            batch.aborts.extend(self._streams)
+
+    def _apply(self, batch: StepInput) -> None:
+        for request in batch.adds:
+            try:
+                self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                        prompt=request.prompt)
+            except ValueError as e:  # every rank refuses it alike; the HTTP side checked most of this
+                stream = self._streams.pop(request.request_id, None)
+                if stream is not None:
+                    stream.put(Update([], error=str(e)))
+            finally:
+                if self.serving:
+                    with self._lock:
+                        self._pending_sequences -= request.params.n
+        aborted = []
+        for request_id in batch.aborts:
+            if request_id in self.engine.outputs.groups:
+                aborted.append(self._abort(request_id))
+        self._publish([out for out in aborted if out is not None])
+
+    def _abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request in the engine (its blocks are freed now); its final output, as it stood."""
+        group = self.engine.outputs.groups[request_id]
+        self.engine.abort_request(request_id)
+        if request_id in self.engine.outputs.groups:  # not every sequence ended (cannot happen today)
+            return None
+        return RequestOutput(request_id=request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+                             outputs=[group.done[i] for i in sorted(group.done)], finished=True,
+                             metrics=group.metrics, error=group.error, num_cached_tokens=group.num_cached_tokens)
+
+    def _publish(self, finished: list[RequestOutput]) -> None:
+        """Each live stream's news from the step: its sequences' growth, and the end of the finished."""
+        if self.on_finished is not None and self.serving:
+            for out in finished:
+                self.on_finished(out)
+        if not self._streams:
+            return
+        ended = {out.request_id: out for out in finished}
+        for request_id, stream in list(self._streams.items()):
+            final = ended.get(request_id)
+            if final is None and request_id not in self.engine.outputs.groups:
+                continue  # not added yet (a stop arrived first)
+            sequences = final.outputs if final is not None else self.engine.outputs.partial(request_id)
+            deltas = [d for d in (_delta(stream, seq) for seq in sequences) if d is not None]
+            if final is not None:
+                del self._streams[request_id]
+                generated = any(seq.token_ids for seq in final.outputs)
+                stream.put(Update(deltas, final=final, error=final.error if not generated else None))
+            elif deltas:
+                stream.put(Update(deltas))
+
+
+def _delta(stream: Stream, seq: CompletionOutput) -> SequenceDelta | None:
+    """What `seq` gained since the stream last handed it out. Text that could still turn out to be the
+    start of a stop string is held back until the sequence ends (the stop string is then cut off)."""
+    i = seq.index
+    if stream.done[i]:
+        return None
+    finished = seq.finish_reason is not None
+    hold = 0 if finished or not stream.params.stop else max(map(len, stream.params.stop)) - 1
+    text_end = max(stream.sent_text[i], len(seq.text) - hold)
+    tokens = list(seq.token_ids[stream.sent_tokens[i]:])
+    text = seq.text[stream.sent_text[i]:text_end]
+    if not tokens and not text and not finished:
+        return None
+    logprobs = None if seq.logprobs is None else list(seq.logprobs[stream.sent_tokens[i]:])
+    stream.sent_tokens[i] += len(tokens)
+    stream.sent_text[i] = text_end
+    stream.done[i] = finished
+    return SequenceDelta(i, tokens, text, logprobs, seq.finish_reason, seq.stop_reason)

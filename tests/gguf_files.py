@@ -51,15 +51,17 @@ def llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
 
 def quantize(tensor: torch.Tensor, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
     """(what the file stores, in HF row order; its de-quantized float32 values)."""
-    stored = gguf.quants.quantize(tensor.float().numpy(), qtype)
+    values = tensor.float().numpy()
+    stored = k_quantize(values, qtype) if qtype in K_QUANTS else gguf.quants.quantize(values, qtype)
     return stored, gguf.quants.dequantize(stored, qtype).reshape(tensor.shape).astype(np.float32)
 
 
 def write_gguf(path: Path, family: str, qtype: str, seed: int = 0, tokenizer: Path | None = None, arch=None,
-               raw: dict | None = None, **overrides):
+               raw: dict | None = None, mix: dict[str, str] | None = None, **overrides):
     """Writes the case's GGUF file; returns the transformers model holding its de-quantized weights.
-    `raw` replaces named tensors by (bytes, type) as stored; `arch` overrides general.architecture;
-    `overrides` change the config."""
+    `raw` replaces named tensors by (bytes, type) as stored; `mix` gives the matrices whose name holds
+    a key that key's type instead of `qtype`; `arch` overrides general.architecture; `overrides`
+    change the config."""
     import transformers
 
     gguf_arch, config_cls, model_cls, extra = FAMILIES[family]
@@ -74,7 +76,8 @@ def write_gguf(path: Path, family: str, qtype: str, seed: int = 0, tokenizer: Pa
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        kind = Q[qtype] if tensor.dim() == 2 else Q.F32  # llama.cpp keeps norms (and biases) in F32
+        matrix_type = next((t for part, t in (mix or {}).items() if part in name), qtype)
+        kind = Q[matrix_type] if tensor.dim() == 2 else Q.F32  # llama.cpp keeps norms (and biases) in F32
         stored, values = quantize(tensor, kind)
         state[name] = torch.from_numpy(values)
         if raw is not None and name in raw:
@@ -164,3 +167,103 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int
                                  do_sample=False, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+# --- K-quants: the gguf package de-quantizes them but has no quantizer; this plain one (per sub-block
+# min/max or absmax, no search) only has to give valid blocks close to the weights it is given.
+
+QK_K = 256
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def k_quantize(x: np.ndarray, qtype: Q) -> np.ndarray:
+    """Q2_K..Q6_K blocks (uint8 rows, 256 values per block) holding `x`'s rows."""
+    rows = x.reshape(-1, QK_K).astype(np.float32)
+    blocks = {Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}[qtype](rows)
+    return blocks.reshape(*x.shape[:-1], -1)
+
+
+def _f16(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the f16 bytes, the f32 value they hold) of per-block scales; zero scales become 1 (unused)."""
+    half = np.where(values > 0, values, 1).astype(np.float16)
+    return half.reshape(-1, 1).view(np.uint8), half.astype(np.float32).reshape(-1, 1)
+
+
+def _min_scale(rows: np.ndarray, sub: int, levels: int, scale_bits: int):
+    """Unsigned quantization with a per-sub-block scale and min, both quantized against the block's
+    (d, dmin): returns (q, sc, m, d bytes, dmin bytes)."""
+    x = rows.reshape(len(rows), -1, sub)
+    lo = np.minimum(x.min(-1), 0)
+    scale, mn = (x.max(-1) - lo) / levels, -lo
+    top = 2**scale_bits - 1
+    d_bytes, d = _f16(scale.max(-1) / top)
+    dmin_bytes, dmin = _f16(mn.max(-1) / top)
+    sc = np.clip(np.rint(scale / d), 1, top)
+    m = np.clip(np.rint(mn / dmin), 0, top)
+    q = np.clip(np.rint((x + (dmin * m)[..., None]) / (d * sc)[..., None]), 0, levels)
+    return q.astype(np.uint8).reshape(len(rows), -1), sc.astype(np.uint8), m.astype(np.uint8), d_bytes, dmin_bytes
+
+
+def _abs_scale(rows: np.ndarray, sub: int, low: int, high: int, scale_low: int, scale_high: int):
+    """Signed quantization to [low, high] with a signed per-sub-block scale quantized against the
+    block's d: returns (q, sc, d bytes)."""
+    x = rows.reshape(len(rows), -1, sub)
+    scale = np.abs(x).max(-1) / high
+    d_bytes, d = _f16(scale.max(-1) / scale_high)
+    sc = np.clip(np.rint(scale / d), 1, scale_high)
+    q = np.clip(np.rint(x / (d * sc)[..., None]), low, high)
+    return q.astype(np.int16).reshape(len(rows), -1), sc.astype(np.int16), d_bytes
+
+
+def _two_bit_planes(values: np.ndarray, group: int) -> np.ndarray:
+    """2-bit values packed four to a byte: value t*group + j of each 4*group run in bits 2t of byte j."""
+    v = values.reshape(len(values), -1, 4, group)
+    return (v[:, :, 0] | v[:, :, 1] << 2 | v[:, :, 2] << 4 | v[:, :, 3] << 6).reshape(len(values), -1)
+
+
+def _nibbles(values: np.ndarray, group: int) -> np.ndarray:
+    """4-bit values two to a byte: value j of each 2*group run low, value group + j high."""
+    v = values.reshape(len(values), -1, 2, group)
+    return (v[:, :, 0] | v[:, :, 1] << 4).reshape(len(values), -1)
+
+
+def _bits(values: np.ndarray, width: int) -> np.ndarray:
+    """1-bit planes: bit i of byte j holds value i*width + j."""
+    v = values.reshape(len(values), -1, width)
+    return sum(v[:, i] << i for i in range(v.shape[1])).astype(np.uint8)
+
+
+def _packed_scales_6bit(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and mins (Q4_K.get_scale_min read backwards)."""
+    return np.concatenate([sc[:, :4] & 0x3F | (sc[:, 4:] >> 4) << 6, m[:, :4] & 0x3F | (m[:, 4:] >> 4) << 6,
+                           sc[:, 4:] & 0x0F | (m[:, 4:] & 0x0F) << 4], axis=1).astype(np.uint8)
+
+
+def _q2_k(rows):
+    q, sc, m, d, dmin = _min_scale(rows, 16, 3, 4)
+    return np.concatenate([sc | m << 4, _two_bit_planes(q, 32), d, dmin], axis=1)
+
+
+def _q3_k(rows):
+    q, sc, d = _abs_scale(rows, 16, -4, 3, -32, 31)
+    u, s = (q + 4).astype(np.uint8), (sc + 32).astype(np.uint8)
+    low = s[:, :8] & 0x0F | (s[:, 8:] & 0x0F) << 4
+    high = _two_bit_planes(s >> 4, 4)
+    return np.concatenate([_bits(u >> 2, 32), _two_bit_planes(u & 3, 32), low, high, d], axis=1)
+
+
+def _q4_k(rows):
+    q, sc, m, d, dmin = _min_scale(rows, 32, 15, 6)
+    return np.concatenate([d, dmin, _packed_scales_6bit(sc, m), _nibbles(q, 32)], axis=1)
+
+
+def _q5_k(rows):
+    q, sc, m, d, dmin = _min_scale(rows, 32, 31, 6)
+    return np.concatenate([d, dmin, _packed_scales_6bit(sc, m), _bits(q >> 4, 32), _nibbles(q & 0x0F, 32)], axis=1)
+
+
+def _q6_k(rows):
+    q, sc, d = _abs_scale(rows, 16, -32, 31, -128, 127)
+    u = (q + 32).astype(np.uint8)
+    return np.concatenate([_nibbles(u & 0x0F, 64), _two_bit_planes(u >> 4, 32), sc.astype(np.int8).view(np.uint8), d],
+                          axis=1)

@@ -33,8 +33,11 @@ SUFFIX = ".gguf"
 # by llama.cpp's converter (the Qwen families use its NeoX RoPE, which needs no permutation).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 PERMUTED_QK = ("llama",)
-# Tensor types de-quantized at load (gguf.quants), each checked against transformers by the tests.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# Tensor types de-quantized at load (gguf.quants), each checked against transformers by the tests. The
+# K-quants' blocks hold 256 values (the others' 32): a TP rank reads only its columns' bytes where its
+# range starts and ends on 256, and whole rows, cut, where it does not.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 # llama.cpp's tensor names -> Hugging Face's, per layer (blk.N.x -> model.layers.N.y) and global.
 LAYER_NAMES = {

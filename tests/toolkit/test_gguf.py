@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from typer.testing import CliRunner
 
 from tests.checkpoints import COMMON, random_prompts, write_tokenizer
-from tests.gguf_files import hf_greedy, llama_cpp_permute, write_gguf
+from tests.gguf_files import K_QUANTS, hf_greedy, k_quantize, llama_cpp_permute, write_gguf
 from tests.toolkit.test_parity import first_diff, prefill_logits
 from toolkit import LLM, SamplingParams
 from toolkit.cli.main import app
@@ -29,7 +31,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW_TOKENS = 16
 # Every supported type on llama (its q/k permuted); the other families in one type each.
-CASES = [("llama", t) for t in SUPPORTED_TYPES] + [("llama_tied_mqa", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1")]
+CASES = [("llama", t) for t in SUPPORTED_TYPES] + [("llama_tied_mqa", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1"),
+                                                   ("qwen2", "Q4_K"), ("llama", "Q4_K_M")]
+# A file mixing types as llama.cpp's Q4_K_M does (its base type, then the exceptions by tensor name).
+MIXES = {"Q4_K_M": ("Q4_K", {"v_proj": "Q6_K", "down_proj": "Q6_K", "embed_tokens": "Q8_0"})}
+# A K-quant block holds 256 values along a row: matrices need rows of a multiple of 256 (o_proj,
+# gate/up and the embedding take hidden_size, down_proj intermediate_size).
+K_DIMS = dict(hidden_size=256, intermediate_size=512)
+
+
+def dims(qtype: str) -> dict:
+    return K_DIMS if "_K" in qtype else {}
 
 
 def engine(path, **kwargs) -> LLM:
@@ -39,7 +51,8 @@ def engine(path, **kwargs) -> LLM:
 @pytest.mark.parametrize("family,qtype", CASES)
 def test_gguf_matches_transformers_on_the_dequantized_weights(family, qtype, tmp_path):
     path = tmp_path / f"{family}-{qtype}.gguf"
-    hf = write_gguf(path, family, qtype, seed=1)
+    base, mix = MIXES.get(qtype, (qtype, None))
+    hf = write_gguf(path, family, base, seed=1, mix=mix, **dims(qtype))
     prompts = random_prompts(4, seed=2, low=3, high=40)
     llm = engine(path, skip_tokenizer_init=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -52,23 +65,26 @@ def test_gguf_matches_transformers_on_the_dequantized_weights(family, qtype, tmp
         torch.testing.assert_close(prefill_logits(llm.engine.runner, prompt), theirs, atol=1e-4, rtol=0)
 
 
-def test_transformers_reads_the_written_file_as_the_oracle_does(tmp_path):
-    """The files follow llama.cpp's conventions (names, metadata, q/k permutation) as transformers
-    reads them, so agreeing with the oracle means agreeing with llama.cpp's files."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_transformers_reads_the_written_file_as_the_oracle_does(qtype, tmp_path):
+    """The files follow llama.cpp's conventions (names, metadata, q/k permutation, block layouts) as
+    transformers reads them, so agreeing with the oracle means agreeing with llama.cpp's files."""
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / "llama.gguf"
-    oracle = write_gguf(path, "llama", "Q8_0", seed=1).state_dict()
+    oracle = write_gguf(path, "llama", qtype, seed=1, **dims(qtype)).state_dict()
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
     assert set(theirs) == set(oracle)
     for name, value in oracle.items():
         torch.testing.assert_close(theirs[name], value, atol=0, rtol=0, msg=name)
 
 
-def test_a_ranks_slice_reads_only_its_part_and_equals_the_whole_tensors(tmp_path):
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
+def test_a_ranks_slice_reads_only_its_part_and_equals_the_whole_tensors(qtype, tmp_path):
     """Tensor-parallel slices: rows (q's permuted ones too), block-aligned and unaligned columns."""
     path = tmp_path / "llama.gguf"
-    state = write_gguf(path, "llama", "Q4_0", seed=1).state_dict()
+    state = write_gguf(path, "llama", qtype, seed=1, **dims(qtype)).state_dict()
+    block = GGML_QUANT_SIZES[Q[qtype]][0]
     tensors = GGUFTensors(path)
     assert set(tensors.keys()) == set(state)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
@@ -81,9 +97,20 @@ def test_a_ranks_slice_reads_only_its_part_and_equals_the_whole_tensors(tmp_path
             torch.testing.assert_close(sl[(slice(3, 17),)], whole[3:17], atol=0, rtol=0)
             continue
         rows, cols = whole.shape
-        for index in [(slice(rows // 2, rows), slice(0, cols)), (slice(0, rows), slice(32, 64)),
-                      (slice(8, 24), slice(5, 40)), (slice(0, rows), slice(cols - 32, cols))]:
+        aligned = [(slice(0, rows), slice(start, start + block)) for start in range(0, cols, block)]
+        for index in [(slice(rows // 2, rows), slice(0, cols)), *aligned, (slice(8, 24), slice(5, 40)),
+                      (slice(0, rows), slice(0, cols // 2))]:
             torch.testing.assert_close(sl[index], whole[index], atol=0, rtol=0, msg=f"{name}{index}")
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_the_tests_k_quantizer_packs_each_field_where_gguf_reads_it(qtype):
+    """gguf has no K-quant quantizer, so tests/gguf_files.py has a plain one; its blocks de-quantize to
+    within the type's resolution (a field packed in the wrong place would be off by the values' size)."""
+    x = np.random.default_rng(0).normal(0, 0.1, (6, 512)).astype(np.float32)
+    back = gguf.quants.dequantize(k_quantize(x, qtype), qtype).reshape(x.shape)
+    bits = int(qtype.name[1])
+    assert np.sqrt(np.mean((back - x) ** 2)) < 2 * 2.0**-bits * x.std()
 
 
 def test_unpermute_order_inverts_llama_cpps_permutation():

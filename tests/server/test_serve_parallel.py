@@ -1,0 +1,83 @@
+"""`toolkit serve --tp 2` and `--pp 2`: the command relaunches itself as two processes (gloo on CPU),
+rank 0 serves HTTP and hands each step's new requests and aborts to the other rank.
+
+Oracle: `LLM.generate` in one process on the same checkpoint: greedy text streamed and not, a list
+of prompts, seeded n=2. A client that disconnects mid-stream aborts on both ranks (every block free
+after, and the next answers still equal the oracle's: the ranks stayed in step). SIGTERM to the
+launcher stops both ranks, exit code 0. One launch per layout (each is two processes on a shared
+2-core machine).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.checkpoints import random_prompts, write_checkpoint, write_tokenizer
+from tests.server.server_process import Server
+from toolkit import LLM, SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+CONTEXT = 4096  # long enough that a request still runs when its client goes away
+FLAGS = ["--eager", "--dtype", "float32", "--kv-cache-memory", "4MiB"]
+PROMPTS = ["hello world", "a list comprehension is", "tensor parallel"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tokenizer(write_checkpoint(tmp_path_factory.mktemp("llama"), "llama3", seed=3,
+                                            max_position_embeddings=CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(str(ckpt), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=4 * 2**20)
+
+
+@pytest.fixture(scope="module", params=[["--tp", 2], ["--pp", 2]], ids=["tp2", "pp2"])
+def server(request, ckpt):
+    server = Server(ckpt, *FLAGS, *request.param, "--served-model-name", "tiny", env={"OMP_NUM_THREADS": "1"})
+    yield server
+    code, stderr = server.stop()
+    assert code == 0, stderr[-4000:]
+    assert "Traceback" not in stderr, stderr[-4000:]
+
+
+def test_answers_equal_the_single_process(server, llm):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    for prompt, want in zip(PROMPTS, expected):
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+        assert whole.choices[0].text == want.outputs[0].text
+        assert whole.usage.completion_tokens == len(want.outputs[0].token_ids)
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True))
+        assert text == want.outputs[0].text
+    ids = random_prompts(4, seed=2)
+    many = llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0, max_tokens=6),
+                        use_tqdm=False)
+    answer = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in answer.choices] == [m.outputs[0].text for m in many]
+    seeded = llm.generate(PROMPTS[0], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8), use_tqdm=False)[0]
+    answer = client.completions.create(model="tiny", prompt=PROMPTS[0], n=2, temperature=1.0, seed=3, max_tokens=8)
+    assert [c.text for c in sorted(answer.choices, key=lambda c: c.index)] == [s.text for s in seeded.outputs]
+
+
+def test_a_disconnect_aborts_on_every_rank_and_they_stay_in_step(server, llm):
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": CONTEXT - 8, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    aborted = ("toolkit:request_success_total", (("finished_reason", "abort"),))
+    deadline = time.monotonic() + 60
+    while (m := server.metrics()).get(aborted, 0) < 1 or m[("toolkit:kv_cache_usage_perc", ())] != 0:
+        assert time.monotonic() < deadline, f"not aborted, or blocks still held: {m}"
+        time.sleep(0.1)
+    want = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0},
+                   timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text

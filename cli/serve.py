@@ -71,7 +71,8 @@ def serve(
     """Serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /tokenize, /detokenize, /health and Prometheus /metrics.
 
-    Exit codes: 0 stopped by SIGTERM or Ctrl-C; 2 could not start (bad flag, missing model, port in use).
+    Exit codes: 0 stopped by SIGTERM or Ctrl-C; 1 the engine failed (the server stops); 2 could not
+    start (bad flag, missing model, port in use).
     """
     if model_arg is not None and model is not None and model_arg != model:
         exit_with(CliError(f"two models given: {model_arg} and --model {model}; give one"))
@@ -161,6 +162,7 @@ def _serve_http(engine, loop, listener, name: str, defaults: dict, metrics, shut
     config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="off")
     server = _uvicorn_server(config)
+    loop.on_failure = lambda: setattr(server, "should_exit", True)  # a dead engine: stop (a supervisor restarts)
     loop.start()
     host, port = listener.getsockname()[:2]
     stderr_console().print(f"serving {name} on http://{host}:{port} (OpenAI API under /v1); "
@@ -169,6 +171,9 @@ def _serve_http(engine, loop, listener, name: str, defaults: dict, metrics, shut
         server.run(sockets=[listener])
     finally:
         loop.stop()  # what still runs is aborted; the other ranks are told to stop
+    if loop.failure is not None:
+        raise CliError(f"the engine failed, so the server stopped: {type(loop.failure).__name__}: {loop.failure}",
+                       code=1)
 
 
 def _uvicorn_server(config):

@@ -106,6 +106,22 @@ def test_chat_streamed_and_not_equal_llm_chat(client, llm):
     assert text == {0: seq.text} and finish == {0: seq.finish_reason} and usage is None
 
 
+def test_a_stop_string_cuts_streamed_and_whole_text_as_llm_generate_does(client, llm):
+    # A stop string from the middle of the greedy text, several characters long: a stream must not
+    # send its first characters before it knows whether the rest follows.
+    full = llm.generate(PROMPTS[2], greedy(24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 4]
+    assert len(stop) == 4
+    want = llm.generate(PROMPTS[2], greedy(24, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert want.finish_reason == "stop" and stop not in want.text
+    body = dict(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop],
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**body)
+    assert whole.choices[0].text == want.text and whole.choices[0].finish_reason == "stop"
+    text, finish, _ = streamed(client.completions.create(**body, stream=True))
+    assert text == {0: want.text} and finish == {0: "stop"}
+
+
 def test_token_id_prompts_and_a_list_of_prompts_answer_in_order(client, llm):
     ids = random_prompts(3, seed=11)
     expected = llm.generate([{"prompt_token_ids": p} for p in ids], greedy(8), use_tqdm=False)

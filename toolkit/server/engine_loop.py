@@ -108,9 +108,10 @@ class RankSync:
 
 
 class EngineLoop:
-    def __init__(self, engine, max_waiting: int, sync: RankSync | None = None, on_finished=None):
+    def __init__(self, engine, max_waiting: int, sync: RankSync | None = None, on_finished=None, on_failure=None):
         self.engine, self.max_waiting, self.sync = engine, max_waiting, sync
         self.on_finished = on_finished  # called with each finished RequestOutput (the server's metrics)
+        self.on_failure = on_failure  # called once if the loop dies (the server then shuts down)
         self.serving = sync is None or sync.rank == 0  # this rank takes requests (HTTP)
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, Stream] = {}  # engine thread only
@@ -172,7 +173,7 @@ class EngineLoop:
                 if busy:
                     self._publish(self.engine.step())
                 self.num_waiting = self.engine.scheduler.num_waiting
-        except BaseException as e:  # noqa: BLE001  the HTTP side reports a dead engine (503) instead of hanging
+        except BaseException as e:  # noqa: BLE001  its clients get a 500 and the server stops, instead of hanging
             self.failure = e
             log.exception("the engine loop failed")
             for stream in self._streams.values():
@@ -180,6 +181,8 @@ class EngineLoop:
             self._streams.clear()
             if not self.serving:
                 raise
+            if self.on_failure is not None:
+                self.on_failure()
 
     def _collect(self, wait: bool) -> StepInput:
         """Rank 0: everything that arrived since the last step; when the engine was idle, wait for

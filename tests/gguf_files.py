@@ -35,6 +35,12 @@ FAMILIES = {
     "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
 }
 
+# A K-quant block holds 256 values along a row: matrices need rows of a multiple of 256 (o_proj,
+# gate/up and the embedding take hidden_size, down_proj intermediate_size).
+K_DIMS = dict(hidden_size=256, intermediate_size=512)
+# A file mixing types as llama.cpp's Q4_K_M does: write_gguf's `mix` over a Q4_K base.
+Q4_K_M = {"v_proj": "Q6_K", "down_proj": "Q6_K", "embed_tokens": "Q8_0"}
+
 
 def gguf_name(hf: str) -> str:
     base, kind = hf.rsplit(".", 1)

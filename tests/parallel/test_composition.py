@@ -5,14 +5,16 @@ queue of depth pp, so speculative decoding (drafts verified and proposed on the 
 and disk KV tiers and swap preemption (each stage moves its own layers' KV), and expert parallelism
 (each stage's experts over that stage's ranks in every replica) run pipelined unchanged. The oracle
 for every case is the single process with the same engine settings, whose greedy tokens equal
-transformers' (checked here for both models). Three launches, several cases each (a launch starts
+transformers' (checked here for every model). Three launches, several cases each (a launch starts
 2-4 processes on 2 cores):
 
 - pp=2: n-gram speculation (chunked prefill; seeded sampling with n=2 and logprobs), a draft model
   (chunked), a CPU tier under a 3-block device cache (chunked, prefix caching: tier hits), swap
-  preemption forced (chunked), and a disk tier that this launch writes;
-- pp=2 x tp=2: a draft model (seeded sampling, n=2, logprobs; chunked), and a MoE model with expert
-  parallelism over each stage's two TP ranks (chunked);
+  preemption forced (chunked), a disk tier that this launch writes, and a GGUF file (each stage
+  de-quantizes only its layers);
+- pp=2 x tp=2: a draft model (seeded sampling, n=2, logprobs; chunked), a MoE model with expert
+  parallelism over each stage's two TP ranks (chunked), and the GGUF file (each TP rank de-quantizes
+  its rows, q/k's permuted ones, and its columns: 256-aligned K-quant blocks read alone, the others cut);
 - pp=2 x dp=2: a MoE model with expert parallelism over each stage's ranks in both replicas (which
   step in lockstep, dummy plans through the pipeline), and the disk tier the first launch wrote,
   read by these other processes (disk hits).
@@ -27,6 +29,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
+from tests.gguf_files import K_DIMS, Q4_K_M, write_gguf
+from tests.gguf_files import hf_greedy as gguf_oracle_greedy
 from tests.parallel.test_parallel import REPO, output_tail, read_reports, torchrun
 from tests.parallel.test_pipeline_parallel import assert_same_samples
 from tests.parallel.worker import sampled_report
@@ -51,6 +55,8 @@ def setup(tmp_path_factory):
     llama = write_checkpoint(root / "llama3", "llama3", seed=1, num_hidden_layers=5)
     moe = write_checkpoint(root / "mixtral", "mixtral", seed=3)
     draft = write_perturbed_draft(llama, root / "draft")
+    gguf = root / "llama.Q4_K_M.gguf"
+    gguf_oracle = write_gguf(gguf, "llama", "Q4_K", seed=1, mix=Q4_K_M, **K_DIMS)
     # At least one whole block each, and with the new tokens within 3 blocks (the smallest cache here);
     # repeats for n-gram lookup, and two prompts twice for the tiers' prefix hits.
     base = random_prompts(6, seed=5, low=18, high=23)
@@ -72,6 +78,8 @@ def setup(tmp_path_factory):
                                "enable_prefix_caching": True}, None),
         "draft_tp": (llama, {**CHUNKED, "speculative_config": drafted}, SAMPLED),
         "moe_ep": (moe, {**CHUNKED, "enable_expert_parallel": True}, None),
+        "gguf": (gguf, {}, None),
+        "gguf_tp": (gguf, CHUNKED, None),
         "moe_ep_dp": (moe, {"enable_expert_parallel": True}, None),
         "disk_read": (llama, {"kv_disk_cache_dir": str(disk), "kv_disk_cache_size": 0.01,
                               "enable_prefix_caching": True}, None),
@@ -94,6 +102,7 @@ def setup(tmp_path_factory):
         del llm
     for name, model in (("ngram", llama), ("moe_ep", moe)):
         assert expected[name].tokens == hf_greedy(model, prompts, NEW_TOKENS), name
+    assert expected["gguf"].tokens == gguf_oracle_greedy(gguf_oracle, prompts, NEW_TOKENS)
     return SimpleNamespace(root=root, prompts=prompts_file, cases=cases, expected=expected)
 
 
@@ -120,7 +129,7 @@ def launch(setup, tmp_path: Path, names: list[str], world: int, *layout: str) ->
 @pytest.fixture(scope="module")
 def pp2_reports(setup, tmp_path_factory):
     """The pp=2 launch (module-wide: the pp=2 x dp=2 launch reads the disk tier it writes)."""
-    names = ["ngram", "draft", "cpu_tier", "swap", "disk_write"]
+    names = ["ngram", "draft", "cpu_tier", "swap", "disk_write", "gguf"]
     return launch(setup, tmp_path_factory.mktemp("pp2"), names, 2, "--pp", "2")
 
 
@@ -140,8 +149,9 @@ def test_pp2_with_speculation_tiers_swap_and_a_disk_tier(pp2_reports):
         assert cases["disk_write"]["kv_tiers"]["copied_blocks"]["device_to_disk"] > 0, rank
 
 
-def test_pp2_x_tp2_with_a_draft_model_and_expert_parallel_moe(setup, tmp_path_factory):
-    reports = launch(setup, tmp_path_factory.mktemp("pp2tp2"), ["draft_tp", "moe_ep"], 4, "--pp", "2", "--tp", "2")
+def test_pp2_x_tp2_with_a_draft_model_expert_parallel_moe_and_a_gguf_file(setup, tmp_path_factory):
+    reports = launch(setup, tmp_path_factory.mktemp("pp2tp2"), ["draft_tp", "moe_ep", "gguf_tp"], 4, "--pp", "2",
+                     "--tp", "2")
     for rank, report in enumerate(reports):  # ranks 0, 1: stage 1; 2, 3: stage 2
         ep = report["cases"]["moe_ep"]["expert_parallel"]
         assert ep["ranks"] == 2 and ep["experts"] == [4 * (rank % 2), 4 * (rank % 2) + 4], rank

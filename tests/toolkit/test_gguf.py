@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from typer.testing import CliRunner
 
 from tests.checkpoints import COMMON, random_prompts, write_tokenizer
-from tests.gguf_files import K_QUANTS, hf_greedy, k_quantize, llama_cpp_permute, write_gguf
+from tests.gguf_files import K_DIMS, K_QUANTS, Q4_K_M, hf_greedy, k_quantize, llama_cpp_permute, write_gguf
 from tests.toolkit.test_parity import first_diff, prefill_logits
 from toolkit import LLM, SamplingParams
 from toolkit.cli.main import app
@@ -33,11 +33,7 @@ NEW_TOKENS = 16
 # Every supported type on llama (its q/k permuted); the other families in one type each.
 CASES = [("llama", t) for t in SUPPORTED_TYPES] + [("llama_tied_mqa", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1"),
                                                    ("qwen2", "Q4_K"), ("llama", "Q4_K_M")]
-# A file mixing types as llama.cpp's Q4_K_M does (its base type, then the exceptions by tensor name).
-MIXES = {"Q4_K_M": ("Q4_K", {"v_proj": "Q6_K", "down_proj": "Q6_K", "embed_tokens": "Q8_0"})}
-# A K-quant block holds 256 values along a row: matrices need rows of a multiple of 256 (o_proj,
-# gate/up and the embedding take hidden_size, down_proj intermediate_size).
-K_DIMS = dict(hidden_size=256, intermediate_size=512)
+MIXES = {"Q4_K_M": ("Q4_K", Q4_K_M)}  # (base type, exceptions by tensor name)
 
 
 def dims(qtype: str) -> dict:

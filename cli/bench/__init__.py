@@ -4,7 +4,8 @@
 - `workload.py`: random or dataset requests; `model.py`: the named model shapes;
 - `systems.py`: our engine, transformers and vLLM (`vllm_worker.py`, in vLLM's own environment);
 - `metrics.py`: TTFT, TPOT, ITL, throughput; `roofline.py`: matmul peak, bandwidth, FLOPs and bytes;
-- `report.py`: the table and the JSON.
+- `report.py`: the table and the JSON;
+- `serving.py`: `toolkit bench serve`, online serving against our server and `vllm serve` over HTTP.
 """
 
 from toolkit.cli.bench.app import bench_app

@@ -26,6 +26,7 @@ from toolkit.cli.bench.metrics import (combine_throughput, decode_metrics, exper
 from toolkit.cli.bench.model import SHAPES, resolve_model
 from toolkit.cli.bench.pipeline import PipelineSystem, bubble_model, report_lines
 from toolkit.cli.bench.disaggregated import disagg
+from toolkit.cli.bench.serving import serve
 from toolkit.cli.bench.report import build_rows, render_table, report_json
 from toolkit.cli.bench.roofline import (
     bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
@@ -198,6 +199,7 @@ def latency(
 
 
 bench_app.command("disagg", cls=GroupedHelpCommand)(disagg)
+bench_app.command("serve", cls=GroupedHelpCommand)(serve)
 
 
 # --- the run ---------------------------------------------------------------------------------------

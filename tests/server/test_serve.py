@@ -373,3 +373,35 @@ def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(small_
     assert "Traceback" not in stderr, stderr[-4000:]
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{small_server.url}/health", timeout=2)
+
+
+def test_the_serving_bench_client_counts_every_token(server):
+    """`toolkit bench serve`'s client (cli/bench/serving.py) against this server: every request's chunks
+    add up to its output length, one timing point per token (no timing is judged here)."""
+    from toolkit.cli.bench.serving import poisson_arrivals, run_clients, serving_metrics
+    from toolkit.cli.bench.workload import random_workload
+
+    requests = random_workload(6, (3, 20), (2, 9), vocab_size=300, seed=4)
+    timings, duration = asyncio.run(run_clients(server.url, "tiny", requests, poisson_arrivals(6, 50.0, seed=4), 3))
+    assert [t.output_len for t in timings] == [r.output_len for r in requests]
+    assert all(len(t.chunks) == t.output_len for t in timings)
+    out = serving_metrics(timings, duration, {})
+    assert out["completed"] == 6 and out["failed"] == 0 and out["good_requests"] == 6
+
+
+def test_bench_serve_command_against_a_running_server_writes_its_report(server, ckpt, tmp_path):
+    from typer.testing import CliRunner
+
+    from toolkit.cli.main import app
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "serve", "-m", str(ckpt), "--url", server.url, "--served-model-name",
+                                      "tiny", "--num-requests", "3", "--input-len", "4", "8", "--output-len", "2", "4",
+                                      "--request-rate", "inf", "--request-rate", "20", "--goodput", "e2el:60000",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [r["request_rate"] for r in report["runs"]] == [math.inf, 20.0]
+    assert all(r["completed"] == 3 and r["failed"] == 0 and r["good_requests"] == 3 for r in report["runs"])
+    assert all(r["output_tokens"] == report["runs"][0]["output_tokens"] for r in report["runs"])
+    assert result.stderr.count("given @") == 2

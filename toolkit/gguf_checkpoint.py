@@ -16,6 +16,7 @@ back the Hugging Face layout the model code expects.
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 import struct
@@ -185,7 +186,16 @@ def tensor_types(path) -> dict[str, int]:
 
 
 def load_tokenizer(path):
-    """The tokenizer and chat template stored in the file (transformers builds a fast tokenizer from them)."""
+    """The tokenizer and chat template stored in the file (transformers builds a fast tokenizer from
+    them). Built once per file version, since that takes seconds for a real vocabulary and the CLI
+    asks twice (to measure its input, then in the engine); each caller gets its own copy to change."""
+    path = Path(path)
+    stat = path.stat()
+    return copy.deepcopy(_tokenizer(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: str, mtime_ns: int, size: int):
     from transformers import AutoTokenizer
 
     path = Path(path)

@@ -9,6 +9,7 @@ prompt logits close, float32. The real SmolLM2 file is checked in test_real_mode
 from __future__ import annotations
 
 import json
+import os
 
 import gguf
 import numpy as np
@@ -195,3 +196,29 @@ def test_cli_generate_and_info_take_a_gguf_file(tiny_gguf_with_tokenizer):
     assert report["kv_bytes_per_token"] == 2 * layers * COMMON["num_key_value_heads"] * 16 * 4
     text = CliRunner().invoke(app, ["info", str(tiny_gguf_with_tokenizer), "--memory", "1GiB"]).stdout
     assert f"{2 * layers + 1} F32, {matrices * layers + 2} Q8_0 tensors" in text
+
+
+def test_the_cli_parses_a_files_tokenizer_once_and_each_caller_owns_its_copy(tmp_path, monkeypatch):
+    """toolkit generate needs the tokenizer before loading (to measure its input) and in the engine:
+    one parse per file version (seconds for a real vocabulary), a copy each."""
+    from transformers import AutoTokenizer
+
+    from toolkit.gguf_checkpoint import load_tokenizer
+
+    path = tmp_path / "tok.Q8_0.gguf"
+    write_gguf(path, "llama", "Q8_0", seed=3, tokenizer=write_tokenizer(tmp_path / "tokenizer"))
+    parses = []
+    parse = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: parses.append(k) or parse(*a, **k))
+    run = CliRunner().invoke(app, ["generate", "-m", str(path), "--eager", "--dtype", "float32", "--max-model-len", "128",
+                                   "--max-tokens", "4", "--temperature", "0", "the cat sat"], catch_exceptions=False)
+    assert run.exit_code == 0, run.output
+    assert [k.get("gguf_file") for k in parses] == [path.name]
+    first, second = load_tokenizer(path), load_tokenizer(path)
+    assert first is not second and first.encode("the cat") == second.encode("the cat")
+    first.chat_template = "changed"
+    assert load_tokenizer(path).chat_template == second.chat_template != "changed"
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new version of the file: parsed again
+    load_tokenizer(path)
+    assert len(parses) == 2

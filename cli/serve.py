@@ -40,7 +40,7 @@ def serve(
         rich_help_panel=SERVER, show_default=False,
         help="The model's name in the API (requests must name it or leave model out). Default: MODEL as given.")] = None,
     max_waiting: Annotated[int, typer.Option(
-        min=0, rich_help_panel=SERVER,
+        min=1, rich_help_panel=SERVER,
         help="Sequences that may wait for a slot; a request beyond that gets 503 at once.")] = 1024,
     shutdown_timeout: Annotated[float, typer.Option(
         min=0, rich_help_panel=SERVER,

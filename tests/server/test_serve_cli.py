@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import socket
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -15,18 +16,29 @@ def toolkit(*args, env=None):
     return CliRunner().invoke(app, [str(a) for a in args], env=env, catch_exceptions=False)
 
 
-def test_help_is_plain_and_whole_at_80_columns():
-    result = toolkit("serve", "--help", env={"COLUMNS": "80"})
+@pytest.mark.parametrize("name", ["serve", "bench serve"])
+def test_help_is_plain_and_whole_at_80_columns(name):
+    result = toolkit(*name.split(), "--help", env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     text = result.stdout
     assert max(map(len, text.splitlines())) <= 80, text
     assert not set("╭╰│─…") & set(text), text
-    command = typer.main.get_command(app).commands["serve"]
+    command = typer.main.get_command(app)
+    for part in name.split():
+        command = command.commands[part]
     for param in command.params:
         for opt in param.opts + param.secondary_opts if param.param_type_name == "option" else ():
             assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", text), f"{opt} is not in full in:\n{text}"
-    for flag in ("--tp", "--pp", "--kv-cache-memory", "--speculative-config", "--max-waiting", "--host", "--port"):
-        assert flag in text
+
+
+def test_serve_takes_the_engine_flags_of_generate():
+    command = typer.main.get_command(app)
+    serve, generate = command.commands["serve"], command.commands["generate"]
+    ours = {opt for p in serve.params for opt in p.opts}
+    engine_panels = ("Model", "Engine", "KV cache hierarchy")
+    theirs = {opt for p in generate.params if getattr(p, "rich_help_panel", None) in engine_panels for opt in p.opts}
+    assert theirs <= ours, theirs - ours
+    assert {"--tp", "--pp", "--pp-layer-partition", "--enable-expert-parallel"} <= ours
 
 
 def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tmp_path):

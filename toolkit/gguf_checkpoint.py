@@ -185,6 +185,11 @@ def tensor_types(path) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def has_tokenizer(path) -> bool:
+    """Whether the file stores a vocabulary (a GGUF may hold the weights alone)."""
+    return "tokenizer.ggml.tokens" in read(path).fields
+
+
 def load_tokenizer(path):
     """The tokenizer and chat template stored in the file (transformers builds a fast tokenizer from
     them). Built once per file version, since that takes seconds for a real vocabulary and the CLI

@@ -32,10 +32,12 @@ def load_tokenizer(path: str | Path):
 
 
 def has_tokenizer(path: str | Path) -> bool:
-    """A GGUF file (which stores its tokenizer) or a folder with a tokenizer file."""
+    """A GGUF file that stores a vocabulary, or a folder with a tokenizer file."""
     path = Path(path)
     if path.is_file():
-        return path.suffix.lower() == ".gguf"
+        from toolkit.gguf_checkpoint import has_tokenizer as gguf_has_tokenizer, is_gguf
+
+        return is_gguf(path) and gguf_has_tokenizer(path)
     return any((path / f).is_file() for f in TOKENIZER_FILES)
 
 

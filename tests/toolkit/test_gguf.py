@@ -222,3 +222,14 @@ def test_the_cli_parses_a_files_tokenizer_once_and_each_caller_owns_its_copy(tmp
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new version of the file: parsed again
     load_tokenizer(path)
     assert len(parses) == 2
+
+
+def test_a_file_without_a_vocabulary_runs_token_ids_and_refuses_text_in_one_line(tmp_path):
+    path = tmp_path / "weights-only.Q8_0.gguf"
+    write_gguf(path, "llama", "Q8_0", seed=3)  # no tokenizer metadata: the weights alone
+    llm = engine(path)  # no skip_tokenizer_init needed
+    assert llm.get_tokenizer() is None
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["the cat"], SamplingParams(max_tokens=3), use_tqdm=False)

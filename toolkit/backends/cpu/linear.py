@@ -178,8 +178,13 @@ class CPULinear(nn.Module):
     def __init__(self, linear: nn.Linear, plan: LinearPlan):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.small_m = plan.small_m
         weight = linear.weight.detach()
+        # Float32 in and out over half weights (toolkit/models/logits.py: the lm_head, an MoE router):
+        # only the panel kernel takes float32 x with half panels; oneDNN's output would be rounded.
+        self.float32_io = getattr(linear, "float32_logits", False) and weight.dtype != torch.float32
+        if self.float32_io:
+            plan = LinearPlan(True, False, NEVER, plan.source)
+        self.small_m = plan.small_m
         self.register_buffer("panels", pack(weight) if plan.panels else None, persistent=False)
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT) if plan.onednn else None
         self.register_buffer("onednn_weight", onednn, persistent=False)
@@ -188,6 +193,8 @@ class CPULinear(nn.Module):
             self.splits = linear.splits  # a MergedLinear's parts (toolkit/merged_linear.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_io:
+            x = x.float()
         return torch.ops.toolkit.linear_cpu.default(x, self.panels, self.onednn_weight, self.bias, self.out_features,
                                                     self.small_m)
 

@@ -14,7 +14,8 @@
 // back. In a bf16 panel, 32-bit lane j holds column j in its low half and column j + 8 in its high
 // half, so one load gives both vectors: a shift widens the low halves, a mask the high ones. fp16
 // panels keep the plain order: F16C's vcvtph2ps widens 8 halves at once. x and out share W's dtype
-// (x is widened once per call, out rounded to nearest even on store).
+// (x is widened once per call, out rounded to nearest even on store), or, with half weights, both are
+// float32: the lm_head's float32 logits (toolkit/models/llama.py), never rounded to the half type.
 
 #include <algorithm>
 #include <cstdint>
@@ -69,9 +70,9 @@ inline void widen(const uint16_t* __restrict p, vec8& lo, vec8& hi) {
 
 // R rows x 16 columns over all of K. Each accumulator is a chain of dependent FMAs; with few rows,
 // U interleaved partial sums over k keep >= 8 chains in flight (2 FMA pipes x 4 cycles of latency).
-template <int R, int U, typename W>
+template <int R, int U, typename W, typename O>
 void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel, int64_t K,
-          const W* __restrict bias, W* __restrict out, int64_t out_stride, int cols) {
+          const W* __restrict bias, O* __restrict out, int64_t out_stride, int cols) {
     vec8 acc[U][R][2] = {};
     // On AVX2-only CPUs, half panels read by 1-2 rows stream fastest with a prefetch 32 k-steps (1 KB)
     // ahead, one per 64-byte line (fp32 panels and more rows lost with it); on AVX-512 (Zen 4) the
@@ -117,8 +118,8 @@ void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel
     }
 }
 
-template <typename W>
-void panel_rows(const float* x, int64_t x_stride, const W* panel, int64_t K, const W* bias, W* out,
+template <typename W, typename O>
+void panel_rows(const float* x, int64_t x_stride, const W* panel, int64_t K, const W* bias, O* out,
                 int64_t out_stride, int64_t M, int cols) {
     int64_t m = 0;
     for (; m + MR <= M; m += MR)
@@ -134,8 +135,8 @@ void panel_rows(const float* x, int64_t x_stride, const W* panel, int64_t K, con
 }
 
 // Threads split the panels, so W is read once per MC rows and each thread streams its own range.
-template <typename W>
-void linear(const float* x, int64_t x_stride, const W* panels, const W* bias, W* out, int64_t M, int64_t N,
+template <typename W, typename O>
+void linear(const float* x, int64_t x_stride, const W* panels, const W* bias, O* out, int64_t M, int64_t N,
             int64_t K) {
     const int64_t P = (N + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
@@ -166,11 +167,12 @@ void pack(const W* w, int64_t N, int64_t K, W* panels) {
             }
 }
 
-// out [M, N] = x [M, K] (rows x_stride apart, W's dtype) @ W^T + bias; x widened to float32 first.
-template <typename W>
-void panel_linear(const void* x, int64_t x_stride, const W* panels, const W* bias, W* out, int64_t M, int64_t N,
+// out [M, N] = x [M, K] (rows x_stride apart, W's dtype or float32 = O) @ W^T + bias; a half x is
+// widened to float32 first.
+template <typename W, typename O>
+void panel_linear(const void* x, int64_t x_stride, const W* panels, const W* bias, O* out, int64_t M, int64_t N,
                   int64_t K) {
-    if (std::is_same<W, float>::value) {
+    if (std::is_same<O, float>::value) {
         linear(static_cast<const float*>(x), x_stride, panels, bias, out, M, N, K);
         return;
     }
@@ -186,8 +188,13 @@ void panel_linear(const void* x, int64_t x_stride, const W* panels, const W* bia
 template <typename W>
 void dispatch(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias, Tensor& out, int64_t M,
               int64_t N, int64_t K) {
-    panel_linear(x.data_ptr(), x.stride(0), static_cast<const W*>(panels.data_ptr()),
-                 bias ? static_cast<const W*>(bias->data_ptr()) : nullptr, static_cast<W*>(out.data_ptr()), M, N, K);
+    const W* b = bias ? static_cast<const W*>(bias->data_ptr()) : nullptr;
+    if (x.scalar_type() == ScalarType::Float)
+        panel_linear(x.data_ptr(), x.stride(0), static_cast<const W*>(panels.data_ptr()), b,
+                     static_cast<float*>(out.data_ptr()), M, N, K);
+    else
+        panel_linear(x.data_ptr(), x.stride(0), static_cast<const W*>(panels.data_ptr()), b,
+                     static_cast<W*>(out.data_ptr()), M, N, K);
 }
 
 Tensor onednn_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
@@ -210,12 +217,15 @@ Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> 
     STD_TORCH_CHECK(panels || onednn_weight, "linear_cpu: give panels, a oneDNN weight, or both");
     STD_TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_cpu: x must be [M, K] with unit stride in K, got ", shape(x));
     const int64_t M = x.size(0), K = x.size(1);
-    STD_TORCH_CHECK(x.scalar_type() == (panels ? *panels : *onednn_weight).scalar_type(),
-                    "linear_cpu: x must be in the weights' dtype");
+    const ScalarType w_type = (panels ? *panels : *onednn_weight).scalar_type();
+    // float32 x with half panels: float32 out, from the panel kernel at every M (oneDNN's would be rounded).
+    const bool float32_io = x.scalar_type() == ScalarType::Float && w_type != ScalarType::Float;
+    STD_TORCH_CHECK(x.scalar_type() == w_type || (float32_io && panels),
+                    "linear_cpu: x must be in the weights' dtype, or float32 with half panels");
     STD_TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
-                              bias->scalar_type() == x.scalar_type()),
-                    "linear_cpu: bias must be a contiguous [out_features] tensor in x's dtype");
-    if (onednn_weight && (M > small_m || !panels)) return onednn_linear(x, *onednn_weight, bias);
+                              bias->scalar_type() == w_type),
+                    "linear_cpu: bias must be a contiguous [out_features] tensor in the weights' dtype");
+    if (onednn_weight && !float32_io && (M > small_m || !panels)) return onednn_linear(x, *onednn_weight, bias);
     const Kind kind = kind_of(*panels, "panels");
     STD_TORCH_CHECK(panels->dim() == 3 && panels->size(1) == K && panels->size(2) == NR && panels->is_contiguous() &&
                         0 < out_features && out_features <= panels->size(0) * NR,

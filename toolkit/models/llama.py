@@ -17,21 +17,24 @@ from torch import nn
 from toolkit.attention import AttentionMetadata, paged_attention, write_kv
 from toolkit.config import ModelConfig, rope_inv_freq
 from toolkit.merged_linear import project
+from toolkit.models.logits import Float32Logits
 from toolkit.models.moe import CHECKPOINT_LAYOUT, SparseMoE
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, float32_output: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.float32_output = float32_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 and scale in the input dtype, as the reference implementation does.
+        # Normalize in float32 and scale in the input dtype, as the reference implementation does; the
+        # final norm, which feeds the float32 logits, scales in float32 and is never rounded.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * x if self.float32_output else self.weight * x.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -130,7 +133,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, max_positions)
         # Keyed by layer index, so a pipeline stage holding some of them keeps the checkpoint's names.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, float32_output=True)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata, hidden=None):
         # A pipeline stage (parallel/pipeline.py) holds a run of the layers and their KV caches: only the
@@ -150,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Float32Logits(config.hidden_size, config.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
         # (A last pipeline stage without the embedding loads the tied tensor into lm_head itself.)
@@ -164,4 +167,4 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(input_ids, positions, kv_caches, meta, hidden)
         if self.lm_head is None:
             return hidden
-        return self.lm_head(hidden[logits_indices]).float()
+        return self.lm_head(hidden[logits_indices])

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from toolkit.config import ModelConfig
+from toolkit.models.logits import Float32Logits
 from toolkit.moe.ops import moe_experts
 
 # Per family: the MoE block's name in a decoder layer, and each expert's (gate, up, down) tensor names
@@ -79,7 +80,8 @@ class SparseMoE(nn.Module):
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.weights_in_model_dtype = moe.weights_in_model_dtype
-        self.gate = nn.Linear(h, moe.num_experts, bias=False)
+        # Router logits in float32 (as the lm_head's): near-tied experts keep float32's order.
+        self.gate = Float32Logits(h, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, h, moe.intermediate_size, CHECKPOINT_LAYOUT[config.family][1])
         if shared_expert is not None:
             self.shared_expert = shared_expert
@@ -89,7 +91,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token, the top_k experts' ids [T, k] (int64) and weights [T, k] (float32)."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        probs = torch.softmax(self.gate(x), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -35,6 +35,9 @@ from torch import nn
 from toolkit.parallel.distributed import ParallelConfigError
 
 LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.")
+# Bytes of a pickled step result sent in its first, fixed-size message (the receives are posted ahead,
+# so their size is fixed): a decode plan's tokens fit many times over; prompt logprobs may overflow.
+RESULT_HEAD = 1 << 16
 
 
 def layer_partition(num_layers: int, pp: int, partition: str | None = None) -> list[int]:
@@ -137,6 +140,7 @@ class StageStats:
     decode_busy_s: float = 0.0
     decode_idle_s: float = 0.0
     hidden_bytes: int = 0  # sent to the next stage
+    long_results: int = 0  # results sent in two messages (longer than RESULT_HEAD), on the result source
 
     def as_dict(self) -> dict:
         out = dict(vars(self))
@@ -168,13 +172,18 @@ class PipelineParallel:
             # Agreements made while results are in flight need their own group: collectives on one group
             # must come in one order on every rank, and the result broadcasts are posted ahead.
             agree = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            # A result longer than RESULT_HEAD's room sends its rest here: on the result group the heads
+            # are posted ahead, so a rest there would come between two heads on one rank and not the other.
+            overflow = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if rank in ranks:
                 self.replica_group, self.agree_group, self.replica_ranks = group, agree, ranks
+                self.overflow_group = overflow
         self.rank, self.tp_size = rank, tp_size
         self.result_src = self.replica_ranks[(stage.size - 1) * tp_size]  # the last stage's TP rank 0
         self.is_result_src = rank == self.result_src
         self._sends: deque = deque()  # (work, tensor): a tensor must outlive its send
         self._posted: deque = deque()  # on the result source: (works, tensors, result) per plan
+        self._expected: deque = deque()  # elsewhere: (work, buffer) of each plan's result head, posted ahead
         self.stats = StageStats()
         self._idle = 0.0
         # Receive-ahead (gloo only; see receive_ahead): the receive posted for the next plan's hidden
@@ -245,12 +254,31 @@ class PipelineParallel:
             self._owed = hidden.new_zeros((1, *hidden.shape[1:]))
 
     def post_result(self, result) -> None:
-        """On the result source: start sending one plan's result (any picklable object) to the replica."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(result)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        works = [dist.broadcast(t, src=self.result_src, group=self.replica_group, async_op=True)
-                 for t in (size, payload)]
-        self._posted.append((works, (size, payload), result))
+        """On the result source: start sending one plan's result (any picklable object) to the replica:
+        its pickled length and first RESULT_HEAD bytes in one fixed-size message, any rest in a second."""
+        data = pickle.dumps(result)
+        head = torch.zeros(RESULT_HEAD + 8, dtype=torch.uint8)
+        head[:8].view(torch.int64)[0] = len(data)
+        first = min(len(data), RESULT_HEAD)
+        head[8:8 + first] = torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8)
+        tensors = [head]
+        works = [dist.broadcast(head, src=self.result_src, group=self.replica_group, async_op=True)]
+        if len(data) > first:
+            rest = torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8)
+            works.append(dist.broadcast(rest, src=self.result_src, group=self.overflow_group, async_op=True))
+            tensors.append(rest)
+            self.stats.long_results += 1
+        self._posted.append((works, tensors, result))
+
+    def expect_result(self) -> None:
+        """Elsewhere, when a plan is submitted: post the receive of its result's head now. gloo moves a
+        message once both ends are posted; a receive posted only when the result is needed waits for
+        the result source's transport thread to get a time slice beside its compute (as the hidden
+        states did: `receive_ahead`), which on a busy CPU is milliseconds per plan."""
+        if not self.is_result_src:
+            head = torch.empty(RESULT_HEAD + 8, dtype=torch.uint8)
+            self._expected.append((dist.broadcast(head, src=self.result_src, group=self.replica_group,
+                                                  async_op=True), head))
 
     def take_result(self):
         """The oldest plan's result, on every rank of the replica (waiting for it if need be)."""
@@ -260,11 +288,15 @@ class PipelineParallel:
                 for work in works:
                     work.wait()
                 return result
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.broadcast(size, src=self.result_src, group=self.replica_group)
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.broadcast(payload, src=self.result_src, group=self.replica_group)
-        return pickle.loads(payload.numpy().tobytes())
+            work, head = self._expected.popleft()
+            work.wait()
+            size = int(head[:8].view(torch.int64)[0])
+            data = head[8:8 + min(size, RESULT_HEAD)].numpy().tobytes()
+            if size > RESULT_HEAD:
+                rest = torch.empty(size - RESULT_HEAD, dtype=torch.uint8)
+                dist.broadcast(rest, src=self.result_src, group=self.overflow_group)
+                data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def agree_min(self, value: int) -> int:
         """The smallest of the replica's values (KV blocks: every stage schedules the same requests)."""

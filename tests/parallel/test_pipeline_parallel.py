@@ -13,7 +13,8 @@ Each launch checks several things at once, since every launch starts 3-4 process
   and its TP share of the kv heads.
 - pp=2 x dp=2 with an explicit partition ("1,4") and preemption forced: the tokens, gathered on
   rank 0 only; and seeded sampling (n=2) with logprobs and prompt logprobs, which travel back from
-  the last stage with the tokens: the single process's tokens, and its logprobs within 1e-4.
+  the last stage with the tokens: the single process's tokens, and its logprobs within 1e-4; the
+  results' first message cut to 512 bytes, so long ones (logprobs) also take the second message.
 - a stage that dies or hangs mid-run ends the job (a hang within the collective timeout), with the
   waiting rank's error naming the other one.
 """
@@ -124,7 +125,7 @@ def test_pp2_x_tp2_matches_single_process(case, tmp_path):
 
 def test_pp2_x_dp2_with_a_partition_matches_single_process(case, tmp_path):
     proc = torchrun(tmp_path, ["--nproc-per-node=4", "--standalone"],
-                    worker_args(case, "--pp", "2", "--dp", "2", "--sampled", json.dumps(SAMPLED),
+                    worker_args(case, "--pp", "2", "--dp", "2", "--sampled", json.dumps(SAMPLED), "--result-head", "512",
                                 engine_args={"pp_layer_partition": "1,4", "kv_cache_memory_bytes": 2 * SQUEEZED_KV}))
     assert proc.returncode == 0, output_tail(proc)
     reports = read_reports(tmp_path, 4)
@@ -134,6 +135,10 @@ def test_pp2_x_dp2_with_a_partition_matches_single_process(case, tmp_path):
         assert [r["models"][i]["kv_layers"] for r in reports] == [1, 4, 1, 4]  # dp0: ranks 0-1, dp1: ranks 2-3
         assert_same_samples(reports[0]["models"][i]["sampled"], case.sampled[family])
     assert sum(r["models"][0]["preemptions"] for r in reports) > 0
+    # With a 512-byte first message, the results with logprobs took the second message (rank 1 and 3
+    # are the last stages, the result sources), and short ones did not: both paths gave the tokens above.
+    sources = [r["models"][i]["pipeline"] for r in reports[1::2] for i in range(len(FAMILIES))]
+    assert all(0 < p["long_results"] < p["plans"] for p in sources), sources
 
 
 def assert_same_samples(got: list[dict], want: list[dict]) -> None:

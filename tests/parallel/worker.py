@@ -31,6 +31,10 @@ def main() -> None:
     prompt_sets = [json.loads(Path(path).read_text()) for path in args.prompts]
     overrides = dict(item.split("=", 1) for item in args.model_for_rank)
     report = {"rank": rank, "models": []}
+    if args.result_head is not None:
+        import toolkit.parallel.pipeline
+
+        toolkit.parallel.pipeline.RESULT_HEAD = args.result_head
     specs = args.speculative_config + [None] * (len(args.model) - len(args.speculative_config))
     for i, (model, spec) in enumerate(zip(args.model, specs)):
         prompts = prompt_sets[min(i, len(prompt_sets) - 1)]
@@ -92,6 +96,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engine-args", default="{}", metavar="JSON", help="more LLM(...) keyword arguments, every model")
     p.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND", help="torch.compile (default: eager)")
     p.add_argument("--sampled", metavar="JSON", help="SamplingParams keywords of a second, sampled run per model")
+    p.add_argument("--result-head", type=int, metavar="BYTES",
+                   help="pipeline results' first-message size (parallel.pipeline.RESULT_HEAD): small sends most in two")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-after-steps", type=int, default=3)
     p.add_argument("--fail-mode", choices=("exit", "hang"), default="exit")

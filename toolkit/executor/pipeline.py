@@ -40,6 +40,8 @@ class PipelineExecutor(Executor):
         began = time.perf_counter()
         pp, stage = self.pp, self.pp.stage
         dummy = not plan.scheduled
+        if not dummy:
+            pp.expect_result()  # its receive posted now, so the result moves as soon as it is sent
         inputs = self.worker.prepare_dummy() if dummy else self.worker.prepare(plan)
         hidden = None
         if not stage.is_first:

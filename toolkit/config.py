@@ -85,7 +85,7 @@ NOT_COMBINED = {
     frozenset((_DISAGG, "data_parallel_size")): "the prefill and decode instances are the replicas: drop "
                                                 "data_parallel_size, or run colocated",
     **{frozenset((_DISAGG, other)): _DISAGG_WHY.format(other)
-       for other in ("pipeline_parallel_size", "speculative_config", "kv_offloading_size", "kv_disk_cache_dir",
+       for other in ("pipeline_parallel_size", "kv_offloading_size", "kv_disk_cache_dir",
                      "enable_expert_parallel", "preemption_mode='swap'")},
 }
 

@@ -1,6 +1,7 @@
 """The program tests/parallel/test_disaggregated.py runs under torchrun for the engine's disaggregated
 mode (it holds no tests itself). For each --layout (a JSON dict of LLM keywords: prefill_instances,
-decode_instances, tensor_parallel_size, prefill_tensor_parallel_size) and each --model, every rank
+decode_instances, tensor_parallel_size, prefill_tensor_parallel_size, and any other engine field such
+as speculative_config or a KV tier; with "model", for that model alone) and each --model, every rank
 builds the LLM, generates greedily for --prompts and, with --sampled, once more with those
 SamplingParams; each rank writes <out>/rank<R>.json: per run its role, the outputs rank 0 returned,
 whether every KV block of its instance is free afterwards, and its handoff and transfer counters.
@@ -27,10 +28,11 @@ def main() -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     report = {"rank": rank, "runs": []}
     for layout in map(json.loads, args.layout):
-        for model in args.model:
+        models = [layout.pop("model")] if "model" in layout else args.model
+        for model in models:
             llm = LLM(model, dtype="float32", enforce_eager=args.compile is None,
                       compile_backend=args.compile or "inductor", max_model_len=128, block_size=16,
-                      skip_tokenizer_init=True, **layout, **json.loads(args.engine_args))
+                      skip_tokenizer_init=True, **{**json.loads(args.engine_args), **layout})
             if rank == args.fail_rank:
                 fail_in_third_step(llm, args.fail_mode)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -41,15 +43,18 @@ def main() -> None:
                     [{"prompt_token_ids": p} for p in prompts], SamplingParams(**json.loads(args.sampled)),
                     use_tqdm=False)]
             engine = llm.engine
+            stats = engine.stats()
             report["runs"].append({
                 "layout": layout, "model": model,
                 "tokens": [o.outputs[0].token_ids for o in outs], "sampled": sampled,
                 "all_blocks_free": engine.scheduler.num_free_blocks == engine.runner.kv_spec.num_blocks,
                 "running": engine.scheduler.num_running + engine.scheduler.num_waiting,
                 "kv_heads": engine.runner.kv_caches[0].shape[3],
-                "disaggregated": engine.stats()["disaggregated"],
-                "prefix_cache": engine.stats()["prefix_cache"],
-                "compiled_graphs": engine.stats()["graphs"],
+                "disaggregated": stats["disaggregated"],
+                "prefix_cache": stats["prefix_cache"],
+                "compiled_graphs": stats["graphs"],
+                "spec_decode": stats.get("spec_decode"), "draft_runner": stats.get("draft_runner") is not None,
+                "kv_tiers": stats.get("kv_tiers"), "preemptions": stats["preemptions"],
                 "metrics": sorted({m.name for m in llm.get_metrics() if m.name.startswith("toolkit:disagg")}),
             })
             del llm, engine

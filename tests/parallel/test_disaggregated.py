@@ -12,7 +12,9 @@ disaggregated mode against the colocated single process.
   copies), with chunked prefill (a 16-token budget) and a one-token prompt (computed by the decode
   instance alone): greedy tokens equal the single process's (which equal transformers'), seeded
   sampling (n=2, logprobs) equals the single process's, and afterwards every KV block on every rank
-  is free and no request is left.
+  is free and no request is left. The same launch runs 1P+1D layouts with another feature on llama3
+  (`composed`): n-gram and draft-model speculation on the decode instance, against the single
+  process with the same speculative_config.
 - 1 prefill + 1 decode as two "hosts" in two network namespaces joined by a veth pair, compiled.
 - A decode rank that hangs: global rank 0 ends the job within the collective timeout, naming it and
   its role; a prefill rank that hangs: the decode instance does, naming it.
@@ -29,10 +31,10 @@ from types import SimpleNamespace
 import pytest
 
 from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
-from tests.parallel.test_parallel import (COMPILE_BACKEND, REPO, launch_two_nodes, output_tail, read_reports, single_process,
-                                         torchrun)
+from tests.parallel.test_parallel import COMPILE_BACKEND, REPO, launch_two_nodes, output_tail, read_reports, torchrun
 from tests.parallel.worker import sampled_report
-from toolkit import SamplingParams
+from tests.speculative.checkpoints import write_perturbed_draft
+from toolkit import LLM, SamplingParams
 from toolkit.parallel import ParallelConfigError
 from toolkit.parallel.disaggregated import DisaggLayout, HeadRoute, route_requests, transfer_plan
 from toolkit.parallel.tensor_parallel import kv_heads
@@ -104,10 +106,34 @@ ENGINE_WORKER = REPO / "tests" / "parallel" / "disagg_engine_worker.py"
 FAMILIES = ("llama3", "tied_mqa")
 NEW_TOKENS = 10
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7, n=2, logprobs=2, max_tokens=6)
-LAYOUTS = [dict(prefill_instances=1, decode_instances=1, prefill_tensor_parallel_size=2),
-           dict(prefill_instances=1, decode_instances=1, tensor_parallel_size=2, prefill_tensor_parallel_size=1),
-           dict(prefill_instances=1, decode_instances=2),
-           dict(prefill_instances=2, decode_instances=1)]
+P2_D1 = dict(prefill_instances=1, decode_instances=1, prefill_tensor_parallel_size=2)
+P1_D2 = dict(prefill_instances=1, decode_instances=1, tensor_parallel_size=2, prefill_tensor_parallel_size=1)
+LAYOUTS = [P2_D1, P1_D2, dict(prefill_instances=1, decode_instances=2), dict(prefill_instances=2, decode_instances=1)]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+# The engine fields whose outputs the oracle must share (the others only say where KV lives).
+ORACLE_KEYS = ("speculative_config",)
+
+
+def composed(case) -> list[dict]:
+    """1P+1D layouts with another feature on llama3, in the same launch as LAYOUTS: speculative
+    decoding on the decode instance (n-gram; a draft model, which computes its own prefix there)."""
+    llama = str(case.paths["llama3"])
+    return [{**P2_D1, "model": llama, "speculative_config": NGRAM},
+            {**P1_D2, "model": llama, "speculative_config": case.drafted}]
+
+
+def oracle(path, prompts: list[list[int]], **extra) -> tuple[list[list[int]], LLM]:
+    """The single process with the same token-deciding settings (tests/parallel/test_parallel.py's
+    single_process, plus `extra`)."""
+    llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
+              skip_tokenizer_init=True, cpu_linear="torch", **extra)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def oracle_key(family: str, layout: dict) -> str:
+    return json.dumps([family, {k: layout[k] for k in ORACLE_KEYS if k in layout}], sort_keys=True)
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +146,20 @@ def case(tmp_path_factory):
     prompts = random_prompts(7, seed=5, low=3, high=40) + [[5], [11] * 17, [12] * 18, [11] * 16 + [13] * 9]
     prompts_file = root / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
+    drafted = {"method": "draft_model", "model": str(write_perturbed_draft(paths["llama3"], root / "draft")),
+               "num_speculative_tokens": 2}
     expected, sampled = {}, {}
-    for family, path in paths.items():
-        expected[family], llm = single_process(path, prompts, NEW_TOKENS)
-        assert expected[family] == hf_greedy(path, prompts, NEW_TOKENS), family
-        sampled[family] = [sampled_report(o) for o in llm.generate(
+    variants = [(f, {}) for f in FAMILIES] + [("llama3", {"speculative_config": s}) for s in (NGRAM, drafted)]
+    for family, extra in variants:
+        key = oracle_key(family, extra)
+        expected[key], llm = oracle(paths[family], prompts, **extra)
+        if not extra:
+            assert expected[key] == hf_greedy(paths[family], prompts, NEW_TOKENS), family
+        sampled[key] = [sampled_report(o) for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(**SAMPLED), use_tqdm=False)]
-    return SimpleNamespace(paths=paths, prompts=prompts_file, expected=expected, sampled=sampled, root=root)
+        del llm
+    return SimpleNamespace(paths=paths, prompts=prompts_file, expected=expected, sampled=sampled, root=root,
+                           drafted=drafted)
 
 
 def engine_args(case, layouts, *flags: str, families=FAMILIES) -> list[str]:
@@ -141,10 +174,11 @@ def check_runs(case, reports: list[dict], runs: int) -> None:
     for i, run in enumerate(reports[0]["runs"]):
         family = next(f for f in FAMILIES if str(case.paths[f]) == run["model"])
         where = f"{run['layout']} {family}"
-        assert run["tokens"] == case.expected[family], where
+        key = oracle_key(family, run["layout"])
+        assert run["tokens"] == case.expected[key], where
         if run["sampled"] is not None:
-            assert _tokens(run["sampled"]) == _tokens(case.sampled[family]), where
-            for got, want in zip(run["sampled"], case.sampled[family]):
+            assert _tokens(run["sampled"]) == _tokens(case.sampled[key]), where
+            for got, want in zip(run["sampled"], case.sampled[key]):
                 for g, w in zip(got["outputs"], want["outputs"]):
                     for ge, we in zip(g["logprobs"], w["logprobs"]):
                         assert ge.keys() == we.keys() and all(abs(ge[k] - we[k]) < 1e-4 for k in ge), where
@@ -166,6 +200,19 @@ def check_runs(case, reports: list[dict], runs: int) -> None:
             hits = sum(r["runs"][i]["prefix_cache"]["hits"] for r, d in zip(reports, roles)
                        if d["role"] == "prefill" and d["tp_rank"] == 0)
             assert hits > 0, where
+        check_composed(run["layout"], [r["runs"][i] for r in reports], roles, where)
+
+
+def check_composed(layout: dict, runs: list[dict], roles: list[dict], where: str) -> None:
+    """What the features composed with a layout did, rank by rank."""
+    for run, role in zip(runs, roles):
+        decode_first = role["role"] == "decode" and role["tp_rank"] == 0
+        if "speculative_config" in layout:  # on the decode instance alone; the draft model on its first rank
+            spec = run["spec_decode"]
+            assert (spec is not None) == (role["role"] == "decode"), (where, role)
+            assert spec is None or spec["num_drafts"] > 0, (where, role)
+            drafts_here = layout["speculative_config"]["method"] == "draft_model" and decode_first
+            assert run["draft_runner"] == drafts_here, (where, role)
 
 
 def _tokens(sampled: list[dict]) -> list:
@@ -175,11 +222,12 @@ def _tokens(sampled: list[dict]) -> list:
 @pytest.mark.slow
 def test_prefill_and_decode_instances_give_the_single_process_outputs(case, tmp_path):
     """One launch, four layouts x two families: greedy and seeded sampling against the single process."""
+    layouts = LAYOUTS + composed(case)
     proc = torchrun(tmp_path, ["--nproc-per-node=3", "--standalone"],
-                    engine_args(case, LAYOUTS, "--sampled", json.dumps(SAMPLED)), script=ENGINE_WORKER)
+                    engine_args(case, layouts, "--sampled", json.dumps(SAMPLED)), script=ENGINE_WORKER)
     assert proc.returncode == 0, output_tail(proc)
     reports = read_reports(tmp_path, 3)
-    check_runs(case, reports, len(LAYOUTS) * len(FAMILIES))
+    check_runs(case, reports, len(LAYOUTS) * len(FAMILIES) + len(layouts) - len(LAYOUTS))
 
 
 @pytest.mark.slow

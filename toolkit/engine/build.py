@@ -102,7 +102,10 @@ def _join(config: EngineConfig, mc):
         layout = DisaggLayout(config.prefill_instances, config.decode_instances, config.tensor_parallel_size,
                               config.prefill_tensor_parallel_size)
         parallel, disagg = setup_disaggregated(layout, config.device, mc)
-        return parallel, disagg, dataclasses.replace(config, tensor_parallel_size=disagg.instance.tp)
+        config = dataclasses.replace(config, tensor_parallel_size=disagg.instance.tp)
+        if disagg.role == "prefill":  # its one thrown-away token needs no drafts: speculation is the decode side's
+            config = dataclasses.replace(config, speculative_config=None)
+        return parallel, disagg, config
     dims = ParallelDims(dp=config.data_parallel_size, pp=config.pipeline_parallel_size,
                         tp=config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel,
                         pp_layer_partition=config.pp_layer_partition)

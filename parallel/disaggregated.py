@@ -151,10 +151,14 @@ def send_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadR
 def recv_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], tp_rank: int,
             prefill_ranks: range, group=None, tag: int = 0, keep: bool = True) -> int:
     """On a decode rank: receive the request's KV into its own `blocks` (as many as the sender's, in
-    the same order), each route's heads of every layer into their place in this rank's cache; with
-    `keep=False` receive as many blocks and drop them. Returns the bytes received."""
+    the same order; -1 for a block this rank already holds, received and dropped), each route's heads
+    of every layer into their place in this rank's cache; with `keep=False` receive as many blocks
+    and drop them all. Returns the bytes received."""
     first = kv_caches[0]
-    index = torch.tensor(blocks, dtype=torch.int64, device=first.device)
+    kept = [i for i, b in enumerate(blocks) if b >= 0] if keep else []
+    keep = bool(kept)
+    index = torch.tensor([blocks[i] for i in kept], dtype=torch.int64, device=first.device)
+    positions = torch.tensor(kept, dtype=torch.int64, device=first.device)
     received = 0
     for route in (r for r in routes if r.decode_rank == tp_rank):
         heads = route.dst.stop - route.dst.start
@@ -164,7 +168,7 @@ def recv_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadR
         received += part.numel() * part.element_size()
         if keep:
             for cache, layer in zip(kv_caches, part):
-                cache[:, :, :, route.dst].index_copy_(1, index, layer)
+                cache[:, :, :, route.dst].index_copy_(1, index, layer.index_select(1, positions))
     return received
 
 

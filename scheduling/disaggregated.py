@@ -46,6 +46,8 @@ class _Pending:
 class PrefillConnector(KVConnectorScheduler):
     """Plans the sends of the requests a prefill instance finishes (every request it runs is a handoff)."""
 
+    tiers = (REMOTE,)
+
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.handoff_stats = HandoffStats()
@@ -90,6 +92,8 @@ class DecodeConnector(KVConnectorScheduler):
     """Holds the prompts' KV that prefill instances have sent (or are sending) until the scheduler
     admits their requests."""
 
+    tiers = (REMOTE,)
+
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.handoff_stats = HandoffStats()
@@ -103,11 +107,16 @@ class DecodeConnector(KVConnectorScheduler):
     def held_tokens(self, request_id: str) -> int:
         return self._held.get(request_id, 0)
 
+    def held_after_prefix(self, request_id: str) -> bool:
+        return True  # the prompt's KV: a prefix found here is the same, and its sent blocks are dropped
+
     def load_held(self, request: Request, block_ids: list[int]) -> None:
+        """Loads of every sent block in order (`slot`: its index in the message); a block id of -1
+        is one found here (a prefix hit), received and dropped."""
         self._held.pop(request.request_id)
         self._plan.loads += [BlockCopy(b, REMOTE, request.request_id, i) for i, b in enumerate(block_ids)]
         self.handoff_stats.requests += 1
-        self.handoff_stats.blocks += len(block_ids)
+        self.handoff_stats.blocks += sum(b >= 0 for b in block_ids)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
         held = self._held.pop(request.request_id, None)

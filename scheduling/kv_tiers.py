@@ -65,6 +65,8 @@ class DiskResidency:
 
 
 class TieredKVConnector(KVConnectorScheduler):
+    tiers = ("cpu", "disk")
+
     def __init__(self, block_size: int, cpu_blocks: int = 0, disk: DiskResidency | None = None):
         self.block_size = block_size
         self.cpu_blocks = cpu_blocks

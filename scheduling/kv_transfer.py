@@ -49,6 +49,8 @@ class KVTransferPlan:
 class KVConnectorScheduler(ABC):
     """What the scheduler asks of a KV connector; every method but the first four has a default."""
 
+    tiers: tuple[str, ...] = ()  # the tier names of the copies it plans (several connectors: multi_connector.py)
+
     @abstractmethod
     def num_matched_blocks(self, request: Request, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` (the request's blocks after its device-cached prefix)
@@ -85,6 +87,12 @@ class KVConnectorScheduler(ABC):
         swapped out, or its prompt prefilled by another instance): admitting it loads them instead
         of computing them. 0 when it holds none."""
         return 0
+
+    def held_after_prefix(self, request_id: str) -> bool:
+        """Whether the request's held KV may start after a prefix found on the device or in the tiers
+        (a prompt prefilled elsewhere: the same tokens' KV wherever it comes from). Then `load_held`
+        gets -1 for the blocks found here, whose held copies are dropped. Swapped-out KV: no."""
+        return False
 
     def load_held(self, request: Request, block_ids: list[int]) -> None:
         """The scheduler gave these device blocks to the held KV (held_tokens' worth): plan its loads."""

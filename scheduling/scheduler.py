@@ -405,27 +405,29 @@ class Scheduler:
         """(block table, tokens to compute) for a waiting request, starting after whatever of it is
         already somewhere: its own KV held by the connector (swapped out, or prefilled by another
         instance), or its longest cached prefix on the device or in the
-        connector's tiers. None (taking nothing) when the blocks are short."""
+        connector's tiers (a prompt prefilled elsewhere: both, its held KV loaded after the prefix
+        found here). None (taking nothing) when the blocks are short."""
         held = self._held_tokens(request)
+        looks_up = not held or self.connector.held_after_prefix(request.request_id)
         cached, num_external, hashes = [], 0, []
-        if not held and self.config.enable_prefix_caching and not request.wants_prompt_logits:
+        if looks_up and self.config.enable_prefix_caching and not request.wants_prompt_logits:
             cached = self.kv_cache.cached_prefix(request)
             if self.connector is not None:
                 hashes = self.kv_cache.block_hashes(request)[len(cached):self.kv_cache.max_cached_blocks(request)]
                 num_external = self.connector.num_matched_blocks(request, hashes)
-        found = held or (len(cached) + num_external) * self.config.block_size
+        local = len(cached) + num_external  # blocks found here
+        found = max(held, local * self.config.block_size)
         request.num_computed_tokens = found
         num_new = min(request.num_tokens - found, budget)
         block_table, _ = self._allocate(request, num_new, cached=cached)
         if block_table is None:
             request.num_computed_tokens = 0
             return None
-        if held:
-            self.connector.load_held(request, block_table[:self.kv_cache.num_blocks_for(held)])
-        elif num_external:
-            self.connector.blocks_allocated(request, block_table[len(cached):len(cached) + num_external],
-                                            hashes[:num_external])
-        if not held and not request.wants_prompt_logits:
+        if num_external:
+            self.connector.blocks_allocated(request, block_table[len(cached):local], hashes[:num_external])
+        if held:  # the blocks found here are not loaded again
+            self.connector.load_held(request, [-1] * local + block_table[local:self.kv_cache.num_blocks_for(held)])
+        if looks_up and not request.wants_prompt_logits:
             self._admissions[request.request_id] = (request.num_tokens, len(cached) * self.config.block_size,
                                                     num_external * self.config.block_size)
         if request.num_cached_tokens < 0:

@@ -77,16 +77,15 @@ FEATURES = {
 }
 
 _DISAGG = "disaggregated prefill/decode"
-_DISAGG_WHY = ("a disaggregated job moves KV only in the prefill -> decode handoff, which does not yet know about "
-               "{}: drop it, or run colocated (prefill_instances=0, decode_instances=0)")
+_DISAGG_WHY = ("an instance of a disaggregated job is one tensor-parallel group, which does not run {} yet: "
+               "drop it, or run colocated (prefill_instances=0, decode_instances=0)")
 # Every pair of FEATURES that does not combine yet, and why; every other pair does (one engine core:
 # docs/architecture.md, "What combines", is the same table).
 NOT_COMBINED = {
     frozenset((_DISAGG, "data_parallel_size")): "the prefill and decode instances are the replicas: drop "
                                                 "data_parallel_size, or run colocated",
     **{frozenset((_DISAGG, other)): _DISAGG_WHY.format(other)
-       for other in ("pipeline_parallel_size", "kv_offloading_size", "kv_disk_cache_dir",
-                     "enable_expert_parallel", "preemption_mode='swap'")},
+       for other in ("pipeline_parallel_size", "enable_expert_parallel")},
 }
 
 

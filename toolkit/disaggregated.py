@@ -173,9 +173,7 @@ class PrefillRole(_Role):
     def _ship(self, engine) -> None:
         """Send the KV of the requests that just ended (their blocks are still whole: no forward ran
         since), then tell their decode instances."""
-        plan = engine.scheduler.pending_transfers()
-        if plan:
-            self.transfer(plan)
+        engine.worker.transfer_kv(engine.scheduler.pending_transfers())  # with the tiers' copies, if any
         for rid, ok in self.connector.take_outcomes():
             peer = self._peers.pop(rid)
             tag = self._tags.pop(rid)
@@ -325,9 +323,8 @@ class DecodeRole(_Role):
     def has_unfinished(self, engine, busy: bool) -> bool:
         if busy or self._expected:
             return True
-        plan = engine.scheduler.pending_transfers()  # drops of requests that ended before their KV loaded
-        if plan:
-            self.transfer(plan)
+        # Drops of requests that ended before their KV loaded (and the tiers' write-through, if any).
+        engine.worker.transfer_kv(engine.scheduler.pending_transfers())
         return False
 
     def finish_call(self, engine) -> None:

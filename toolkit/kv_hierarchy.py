@@ -1,6 +1,7 @@
 """The KV memory hierarchy, assembled from the config: the CPU and disk tiers' bookkeeping (a
 `scheduling.kv_tiers.TieredKVConnector` the scheduler asks) and their byte mover (an
-`attention.kv_transfer.TieredKVWorker` the engine runs each step's transfers through).
+`attention.kv_transfer.TieredKVWorker` the engine runs each step's transfers through); and the
+tiers beside a disaggregated role's remote handoff (`combine_kv_movers`: several connectors at once).
 
 A tier that cannot be had (more host memory than is free, a directory that cannot be written, a
 disk without room) is left out with one warning; the run goes on with the tiers it has.
@@ -19,8 +20,9 @@ from pathlib import Path
 import torch
 
 from toolkit.attention import available_memory_bytes
-from toolkit.attention.kv_transfer import TieredKVWorker, run_transfers
+from toolkit.attention.kv_transfer import KVConnectorWorker, TieredKVWorker, run_transfers
 from toolkit.scheduling.kv_tiers import DiskResidency, TieredKVConnector
+from toolkit.scheduling.multi_connector import MultiConnector, plan_for
 from toolkit.metrics import Counter
 
 log = logging.getLogger("toolkit")
@@ -55,6 +57,74 @@ class KVHierarchy:
 
     def close(self) -> None:
         self.worker.close()
+
+
+class MultiKVWorker(KVConnectorWorker):
+    """Several connectors' workers as one: each gets the copies of its own tiers, and every worker's
+    saves run before any worker's loads (a block a finished request gave up may be loaded into in
+    the same step, after another connector's save has read it)."""
+
+    def __init__(self, parts: list[tuple[tuple[str, ...], KVConnectorWorker]]):
+        self.parts = parts  # (tiers, worker)
+        self.kv_caches = parts[0][1].kv_caches
+        self._plan, self._split = None, []
+
+    def _plans(self, plan) -> list:
+        if plan is not self._plan:
+            self._plan, self._split = plan, [plan_for(plan, tiers) for tiers, _ in self.parts]
+        return self._split
+
+    def save_kv_layer(self, layer: int, plan) -> None:
+        for (_, worker), mine in zip(self.parts, self._plans(plan)):
+            worker.save_kv_layer(layer, mine)
+
+    def wait_for_save(self) -> None:
+        for _, worker in self.parts:
+            worker.wait_for_save()
+
+    def start_load_kv(self, plan) -> None:
+        for (_, worker), mine in zip(self.parts, self._plans(plan)):
+            worker.start_load_kv(mine)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        for _, worker in self.parts:
+            worker.wait_for_layer_load(layer)
+
+    def get_finished(self) -> list:
+        self._plan, self._split = None, []
+        return [copy for _, worker in self.parts for copy in worker.get_finished()]
+
+    def close(self) -> None:
+        for _, worker in self.parts:
+            worker.close()
+
+
+@dataclass
+class MultiKVMover:
+    """The engine's KV mover when several connectors run at once: the scheduler asks `connector` (a
+    MultiConnector), each step's plan runs through `worker`; metrics are the parts' own."""
+
+    parts: list  # each with .connector, .worker, .metrics()
+    connector: MultiConnector
+    worker: MultiKVWorker
+
+    def transfer(self, plan) -> list:
+        return run_transfers(self.worker, plan, len(self.worker.kv_caches))
+
+    def metrics(self) -> list:
+        return [m for part in self.parts for m in part.metrics()]
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def combine_kv_movers(*movers):
+    """One KV mover over those given (None ones left out): the tiers first, so a prefix hit is theirs."""
+    movers = [m for m in movers if m is not None]
+    if len(movers) < 2:
+        return movers[0] if movers else None
+    return MultiKVMover(movers, MultiConnector([m.connector for m in movers]),
+                        MultiKVWorker([(m.connector.tiers, m.worker) for m in movers]))
 
 
 def build_kv_hierarchy(config, model_config, kv_caches: list[torch.Tensor], block_bytes: int,

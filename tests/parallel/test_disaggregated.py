@@ -13,8 +13,10 @@ disaggregated mode against the colocated single process.
   instance alone): greedy tokens equal the single process's (which equal transformers'), seeded
   sampling (n=2, logprobs) equals the single process's, and afterwards every KV block on every rank
   is free and no request is left. The same launch runs 1P+1D layouts with another feature on llama3
-  (`composed`): n-gram and draft-model speculation on the decode instance, against the single
-  process with the same speculative_config.
+  (`composed`, half of them with chunked prefill): n-gram and draft-model speculation on the decode
+  instance, against the single process with the same speculative_config; the CPU tier, the disk tier
+  and swap preemption beside the handoff under a small decode cache (the decode side finds the
+  repeated prompts' prefixes in its tier, swaps requests out and back in), every block free after.
 - 1 prefill + 1 decode as two "hosts" in two network namespaces joined by a veth pair, compiled.
 - A decode rank that hangs: global rank 0 ends the job within the collective timeout, naming it and
   its role; a prefill rank that hangs: the decode instance does, naming it.
@@ -114,12 +116,24 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 ORACLE_KEYS = ("speculative_config",)
 
 
+UNCHUNKED = {"max_num_batched_tokens": 2048}  # the launch's default is a 16-token budget (chunked prefill)
+BLOCK = 16 * 2 * 2 * 2 * 16 * 4  # one llama3 KV block on a TP-1 rank: 16 tokens x 2 layers x K, V x 2 heads x 16 x 4 B
+TIER_GIB = 64 * BLOCK / 2**30
+
+
 def composed(case) -> list[dict]:
-    """1P+1D layouts with another feature on llama3, in the same launch as LAYOUTS: speculative
-    decoding on the decode instance (n-gram; a draft model, which computes its own prefix there)."""
+    """1P+1D layouts with another feature on llama3, in the same launch as LAYOUTS, half of them with
+    chunked prefill: speculative decoding on the decode instance (n-gram; a draft model, which computes
+    its own prefix there); the CPU tier, the disk tier and swap preemption beside the handoff, under a
+    6-block device cache on the decode instance (5 for swap): the sampled call repeats the greedy
+    call's prompts, so the decode side finds their prefixes in its tier."""
     llama = str(case.paths["llama3"])
+    small = {**P2_D1, "model": llama, "kv_cache_memory_bytes": 6 * BLOCK}
     return [{**P2_D1, "model": llama, "speculative_config": NGRAM},
-            {**P1_D2, "model": llama, "speculative_config": case.drafted}]
+            {**P1_D2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
+            {**small, "kv_offloading_size": TIER_GIB},
+            {**small, **UNCHUNKED, "kv_disk_cache_dir": str(case.root / "disk"), "kv_disk_cache_size": 0.01},
+            {**small, "kv_cache_memory_bytes": 5 * BLOCK, "kv_offloading_size": TIER_GIB, "preemption_mode": "swap"}]
 
 
 def oracle(path, prompts: list[list[int]], **extra) -> tuple[list[list[int]], LLM]:
@@ -213,6 +227,16 @@ def check_composed(layout: dict, runs: list[dict], roles: list[dict], where: str
             assert spec is None or spec["num_drafts"] > 0, (where, role)
             drafts_here = layout["speculative_config"]["method"] == "draft_model" and decode_first
             assert run["draft_runner"] == drafts_here, (where, role)
+        tiers = run["kv_tiers"]
+        if role["role"] == "decode" and "kv_cache_memory_bytes" in layout:
+            assert run["kv_blocks"] == layout["kv_cache_memory_bytes"] // BLOCK, (where, role)
+        if "preemption_mode" in layout and role["role"] == "decode":  # swapped out and back in, beside the handoff
+            assert run["preemptions"] > 0 and tiers["swapped_in"] > 0, (where, role, tiers)
+        elif "kv_offloading_size" in layout and role["role"] == "decode":  # the repeated prompts' prefixes
+            assert tiers["hit_blocks"]["cpu"] > 0, (where, role, tiers)
+        if "kv_disk_cache_dir" in layout:  # every rank writes through; the decode side reads its entries back
+            assert tiers["copied_blocks"]["device_to_disk"] > 0, (where, role, tiers)
+            assert role["role"] == "prefill" or tiers["hit_blocks"]["disk"] > 0, (where, role, tiers)
 
 
 def _tokens(sampled: list[dict]) -> list:

@@ -254,7 +254,7 @@ def test_vllms_keywords_are_accepted_and_mapped(ckpt, caplog):
     (dict(prefill_instances=1, decode_instances=1, prefill_tensor_parallel_size=0),
      r"prefill_tensor_parallel_size must be an integer >= 1"),
     (dict(prefill_instances=1, decode_instances=1, data_parallel_size=2, kv_offloading_size=1),
-     r"disaggregated prefill/decode does not combine with data_parallel_size, kv_offloading_size yet"),
+     r"disaggregated prefill/decode does not combine with data_parallel_size yet: the prefill and decode"),
     (dict(swap_space=-1), r"swap_space=-1 is not supported: must be a number of GiB >= 0"),
     (dict(disable_log_stats="yes"), r"disable_log_stats='yes' is not supported: must be a bool"),
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),

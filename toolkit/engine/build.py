@@ -14,7 +14,7 @@ from toolkit import backends
 from toolkit.config import EngineConfig, UnsupportedModelError, check_device, check_sliding_window, load_model_config
 from toolkit.engine.output_processor import OutputProcessor
 from toolkit.executor import build_executor
-from toolkit.kv_hierarchy import build_kv_hierarchy
+from toolkit.kv_hierarchy import build_kv_hierarchy, combine_kv_movers
 from toolkit.parallel import ParallelDims, build_parallel
 from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
@@ -79,12 +79,12 @@ def build_engine(config: EngineConfig) -> SimpleNamespace:
     group = pp.agree_group if pp is not None else (tp.group if tp is not None else None)
     kv_tiers = build_kv_hierarchy(config, mc, runner.kv_caches, kv.bytes_per_token * kv.block_size, tp,
                                   pp.stage if pp is not None else None, group)
-    hooks = NoHooks()
-    if disagg is not None:  # this instance's role, and its KV connector (toolkit/disaggregated.py)
+    hooks, kv_mover = NoHooks(), kv_tiers  # the mover carries out each plan's block copies
+    if disagg is not None:  # this instance's role, and its KV connector beside the tiers (toolkit/disaggregated.py)
         from toolkit.disaggregated import build_role
 
         hooks = build_role(disagg, config.block_size, runner.kv_caches, mc.num_kv_heads)
-    kv_mover = kv_tiers or (hooks if disagg is not None else None)  # what carries out each plan's block copies
+        kv_mover = combine_kv_movers(kv_tiers, hooks)
     scheduler = Scheduler(_scheduler_config(config, kv, speculator, kv_tiers), kv_mover.connector if kv_mover else None)
     worker = Worker(runner, sampler, scheduler, kv_mover or None, speculator, holds_logits)
     return SimpleNamespace(

@@ -179,11 +179,12 @@ class CPULinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        # Float32 in and out over half weights (toolkit/models/logits.py: the lm_head, an MoE router):
-        # only the panel kernel takes float32 x with half panels; oneDNN's output would be rounded.
+        # Float32 in and out over half weights (toolkit/models/logits.py: the lm_head, an MoE router): the
+        # panel kernel computes float32 x with half panels exactly; above small_m oneDNN's rounded output
+        # has each row's largest entries recomputed from the panels, so the panels are always kept.
         self.float32_io = getattr(linear, "float32_logits", False) and weight.dtype != torch.float32
         if self.float32_io:
-            plan = LinearPlan(True, False, NEVER, plan.source)
+            plan = LinearPlan(True, plan.onednn, plan.small_m if plan.panels else 0, plan.source)
         self.small_m = plan.small_m
         self.register_buffer("panels", pack(weight) if plan.panels else None, persistent=False)
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT) if plan.onednn else None

@@ -96,6 +96,42 @@ def test_half_weights_and_activations(dtype):
         torch.testing.assert_close(out.double(), expected.double(), atol=1e-4, rtol=ulp)
 
 
+def test_float32_logits_over_bf16_weights_are_float32_where_they_compete():
+    """A Float32Logits module (the lm_head): float32 x in, float32 logits out over bf16 weights. Up to
+    small_m rows the panel kernel computes every entry in float32; above, oneDNN's bf16 matmul with each
+    row's EXACT_TOP largest entries recomputed in float32, so a near-tie that bf16 rounding would turn
+    into a tie (two logits ~24 apart from zero, ~0.01 from each other: a bf16 step there is 0.125)
+    resolves as float32 does at every row count, and the rest are within bf16's rounding."""
+    from toolkit.models.logits import Float32Logits
+
+    n, k, a, b = 1000, 300, 700, 701
+    g = torch.Generator().manual_seed(9)
+    x0 = torch.randn(k, generator=g)
+    head = Float32Logits(k, n, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+        row = (24.0 * x0 / x0.dot(x0)).bfloat16()
+        j = int(x0.abs().argmax())
+        bumped = row.clone()
+        bumped[j] = (row[j:j + 1].view(torch.int16) + 2).view(torch.bfloat16)[0]  # larger, of x0[j]'s sign
+        head.weight[a], head.weight[b] = row.float(), bumped.float()
+    head = head.to(torch.bfloat16)
+    packed = CPULinear(head, BOTH)
+    assert packed.panels is not None and packed.onednn_weight is not None
+    for m in (1, 4, 5, 64):  # panels up to 4 rows, oneDNN above
+        x = x0.repeat(m, 1) + 1e-3 * torch.randn(m, k, generator=g)
+        out, ref = packed(x), _reference(x, head)
+        assert out.dtype == torch.float32
+        assert 0 < (ref[:, b] - ref[:, a]).min() < 0.05, "the constructed near-tie did not come out"
+        assert torch.equal(out.argmax(-1), ref.argmax(-1)) and (out.argmax(-1) == b).all(), m
+        top = ref.topk(16).indices
+        torch.testing.assert_close(out.gather(1, top).double(), ref.gather(1, top), atol=1e-4 * k**0.5, rtol=1e-5)
+        if m <= 4:
+            torch.testing.assert_close(out.double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
+        else:  # x rounded to bf16, the output rounded once
+            torch.testing.assert_close(out.double(), ref, atol=0.05, rtol=2**-7)
+
+
 # Exact float32 sums a + b, which the kernel rounds once to the half type: halfway cases go to even
 # and past the largest finite value to inf, as torch rounds. Per dtype: (a, b) pairs.
 ROUNDING = {

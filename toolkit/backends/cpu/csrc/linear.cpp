@@ -15,7 +15,8 @@
 // half, so one load gives both vectors: a shift widens the low halves, a mask the high ones. fp16
 // panels keep the plain order: F16C's vcvtph2ps widens 8 halves at once. x and out share W's dtype
 // (x is widened once per call, out rounded to nearest even on store), or, with half weights, both are
-// float32: the lm_head's float32 logits (toolkit/models/llama.py), never rounded to the half type.
+// float32: the lm_head's float32 logits (toolkit/models/logits.py), computed in float32 by the panel
+// kernel, or above small_m by oneDNN with each row's largest entries recomputed in float32.
 
 #include <algorithm>
 #include <cstdint>
@@ -211,6 +212,51 @@ Tensor onednn_linear(const Tensor& x, const Tensor& weight, const std::optional<
 #endif
 }
 
+// Entries of each row that float32 x over half weights recomputes exactly after oneDNN (below).
+constexpr int64_t EXACT_TOP = 16;
+
+// Float32 x over half weights with M > small_m: oneDNN's native half units on x rounded to the weights'
+// dtype, its output widened; then each row's EXACT_TOP largest entries recomputed in float32 from x and
+// the panels, so the tokens that compete for the argmax (or a top-k) have float32's values and order at
+// bf16 matmul speed (computing every entry in float32 costs the FMA rate of float32, a quarter of bf16's
+// on AVX-512 BF16). The other entries keep oneDNN's rounding (a bf16 step is 0.06-0.125 at 16-32).
+template <typename W>
+Tensor float32_io_onednn(const Tensor& x, const Tensor& panels, const Tensor& weight, const std::optional<Tensor>& bias,
+                         int64_t M, int64_t N, int64_t K) {
+    Tensor xh = empty_as(panels, {M, K});
+    W* h = static_cast<W*>(xh.data_ptr());
+    const float* xf = static_cast<const float*>(x.data_ptr());
+    const int64_t xs = x.stride(0);
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) put(h + m * K + k, xf[m * xs + k]);
+    Tensor yh = onednn_linear(xh, weight, bias);
+    Tensor out = empty_as(x, {M, N});
+    const W* y = static_cast<const W*>(yh.data_ptr());
+    float* o = static_cast<float*>(out.data_ptr());
+    const W* pw = static_cast<const W*>(panels.data_ptr());
+    const W* b = bias ? static_cast<const W*>(bias->data_ptr()) : nullptr;
+    const int64_t top = std::min(EXACT_TOP, N);
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+        float* row = o + m * N;
+        for (int64_t n = 0; n < N; ++n) row[n] = to_float(y[m * N + n]);
+        std::unique_ptr<int64_t[]> idx(new int64_t[N]);
+        for (int64_t n = 0; n < N; ++n) idx[n] = n;
+        std::nth_element(idx.get(), idx.get() + top - 1, idx.get() + N,
+                         [row](int64_t a, int64_t c) { return row[a] > row[c]; });
+        const float* xm = xf + m * xs;
+        for (int64_t t = 0; t < top; ++t) {
+            const int64_t n = idx[t];
+            const W* col = pw + (n / NR) * K * NR + slot((W*)nullptr, int(n % NR));
+            float acc = b ? to_float(b[n]) : 0.f;
+            for (int64_t k = 0; k < K; ++k) acc += xm[k] * to_float(col[k * NR]);
+            row[n] = acc;
+        }
+    }
+    return out;
+}
+
 Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> onednn_weight,
                   std::optional<Tensor> bias, int64_t out_features, int64_t small_m) {
     check_cpu(x, "x");
@@ -218,7 +264,8 @@ Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> 
     STD_TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_cpu: x must be [M, K] with unit stride in K, got ", shape(x));
     const int64_t M = x.size(0), K = x.size(1);
     const ScalarType w_type = (panels ? *panels : *onednn_weight).scalar_type();
-    // float32 x with half panels: float32 out, from the panel kernel at every M (oneDNN's would be rounded).
+    // float32 x with half panels: float32 out, from the panel kernel up to small_m rows, above from oneDNN
+    // with each row's largest entries recomputed exactly (float32_io_onednn).
     const bool float32_io = x.scalar_type() == ScalarType::Float && w_type != ScalarType::Float;
     STD_TORCH_CHECK(x.scalar_type() == w_type || (float32_io && panels),
                     "linear_cpu: x must be in the weights' dtype, or float32 with half panels");
@@ -227,6 +274,12 @@ Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> 
                     "linear_cpu: bias must be a contiguous [out_features] tensor in the weights' dtype");
     if (onednn_weight && !float32_io && (M > small_m || !panels)) return onednn_linear(x, *onednn_weight, bias);
     const Kind kind = kind_of(*panels, "panels");
+    if (onednn_weight && float32_io && M > small_m) {
+        STD_TORCH_CHECK(panels->size(0) * NR >= out_features && panels->size(1) == K, "linear_cpu: panels ",
+                        shape(*panels), " do not fit x ", shape(x));
+        return kind == BF16 ? float32_io_onednn<uint16_t>(x, *panels, *onednn_weight, bias, M, out_features, K)
+                            : float32_io_onednn<f16>(x, *panels, *onednn_weight, bias, M, out_features, K);
+    }
     STD_TORCH_CHECK(panels->dim() == 3 && panels->size(1) == K && panels->size(2) == NR && panels->is_contiguous() &&
                         0 < out_features && out_features <= panels->size(0) * NR,
                     "linear_cpu: x ", shape(x), " and out_features ", out_features, " do not fit panels ",

@@ -99,9 +99,10 @@ def test_half_weights_and_activations(dtype):
 def test_float32_logits_over_bf16_weights_are_float32_where_they_compete():
     """A Float32Logits module (the lm_head): float32 x in, float32 logits out over bf16 weights. Up to
     small_m rows the panel kernel computes every entry in float32; above, oneDNN's bf16 matmul with each
-    row's EXACT_TOP largest entries recomputed in float32, so a near-tie that bf16 rounding would turn
-    into a tie (two logits ~24 apart from zero, ~0.01 from each other: a bf16 step there is 0.125)
-    resolves as float32 does at every row count, and the rest are within bf16's rounding."""
+    row's entries near its maximum (within 1/32 of it, + 0.05) recomputed in float32, so a near-tie that
+    bf16 rounding would turn into a tie (two logits ~24 apart from zero, ~0.01 from each other: a bf16
+    step there is 0.125) resolves as float32 does at every row count, and the rest are within bf16's
+    rounding."""
     from toolkit.models.logits import Float32Logits
 
     n, k, a, b = 1000, 300, 700, 701
@@ -124,8 +125,9 @@ def test_float32_logits_over_bf16_weights_are_float32_where_they_compete():
         assert out.dtype == torch.float32
         assert 0 < (ref[:, b] - ref[:, a]).min() < 0.05, "the constructed near-tie did not come out"
         assert torch.equal(out.argmax(-1), ref.argmax(-1)) and (out.argmax(-1) == b).all(), m
-        top = ref.topk(16).indices
-        torch.testing.assert_close(out.gather(1, top).double(), ref.gather(1, top), atol=1e-4 * k**0.5, rtol=1e-5)
+        near = ref >= ref.max(-1, keepdim=True).values - 0.5  # inside the band (0.8 at 24)
+        assert near.sum() >= 2 * m
+        torch.testing.assert_close(out[near].double(), ref[near], atol=1e-4 * k**0.5, rtol=1e-5)
         if m <= 4:
             torch.testing.assert_close(out.double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
         else:  # x rounded to bf16, the output rounded once

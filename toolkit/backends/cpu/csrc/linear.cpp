@@ -16,13 +16,16 @@
 // panels keep the plain order: F16C's vcvtph2ps widens 8 halves at once. x and out share W's dtype
 // (x is widened once per call, out rounded to nearest even on store), or, with half weights, both are
 // float32: the lm_head's float32 logits (toolkit/models/logits.py), computed in float32 by the panel
-// kernel, or above small_m by oneDNN with each row's largest entries recomputed in float32.
+// kernel, or above small_m by oneDNN with each row's entries near its maximum recomputed in float32.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <cmath>
+#include <limits>
 #include <type_traits>
+#include <vector>
 
 #include <omp.h>
 
@@ -212,14 +215,24 @@ Tensor onednn_linear(const Tensor& x, const Tensor& weight, const std::optional<
 #endif
 }
 
-// Entries of each row that float32 x over half weights recomputes exactly after oneDNN (below).
-constexpr int64_t EXACT_TOP = 16;
-
 // Float32 x over half weights with M > small_m: oneDNN's native half units on x rounded to the weights'
-// dtype, its output widened; then each row's EXACT_TOP largest entries recomputed in float32 from x and
-// the panels, so the tokens that compete for the argmax (or a top-k) have float32's values and order at
-// bf16 matmul speed (computing every entry in float32 costs the FMA rate of float32, a quarter of bf16's
-// on AVX-512 BF16). The other entries keep oneDNN's rounding (a bf16 step is 0.06-0.125 at 16-32).
+// dtype, its output widened; then the entries of each row near its maximum recomputed in float32 from x
+// and the panels, so the tokens that compete for the argmax keep float32's values and order at bf16
+// matmul speed (every entry in float32 would run at the float32 FMA rate, a quarter of the bf16 units'
+// on AVX-512 BF16). "Near" is within BAND_REL of the maximum's magnitude (plus BAND_ABS): eight times
+// the spread that rounding the output and x to bf16 can put between two entries. At most EXACT_MAX
+// entries per row are recomputed, the largest; the rest keep oneDNN's rounding.
+constexpr float BAND_REL = 1.f / 32, BAND_ABS = 0.05f;
+constexpr int64_t EXACT_MAX = 16;
+
+template <typename W>
+float column_dot(const float* x, const W* panels, int64_t K, int64_t n, const W* bias) {
+    const W* col = panels + (n / NR) * K * NR + slot((W*)nullptr, int(n % NR));
+    float acc = bias ? to_float(bias[n]) : 0.f;
+    for (int64_t k = 0; k < K; ++k) acc += x[k] * to_float(col[k * NR]);
+    return acc;
+}
+
 template <typename W>
 Tensor float32_io_onednn(const Tensor& x, const Tensor& panels, const Tensor& weight, const std::optional<Tensor>& bias,
                          int64_t M, int64_t N, int64_t K) {
@@ -236,23 +249,20 @@ Tensor float32_io_onednn(const Tensor& x, const Tensor& panels, const Tensor& we
     float* o = static_cast<float*>(out.data_ptr());
     const W* pw = static_cast<const W*>(panels.data_ptr());
     const W* b = bias ? static_cast<const W*>(bias->data_ptr()) : nullptr;
-    const int64_t top = std::min(EXACT_TOP, N);
 #pragma omp parallel for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
         float* row = o + m * N;
-        for (int64_t n = 0; n < N; ++n) row[n] = to_float(y[m * N + n]);
-        std::unique_ptr<int64_t[]> idx(new int64_t[N]);
-        for (int64_t n = 0; n < N; ++n) idx[n] = n;
-        std::nth_element(idx.get(), idx.get() + top - 1, idx.get() + N,
-                         [row](int64_t a, int64_t c) { return row[a] > row[c]; });
-        const float* xm = xf + m * xs;
-        for (int64_t t = 0; t < top; ++t) {
-            const int64_t n = idx[t];
-            const W* col = pw + (n / NR) * K * NR + slot((W*)nullptr, int(n % NR));
-            float acc = b ? to_float(b[n]) : 0.f;
-            for (int64_t k = 0; k < K; ++k) acc += xm[k] * to_float(col[k * NR]);
-            row[n] = acc;
-        }
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t n = 0; n < N; ++n) row[n] = to_float(y[m * N + n]), top = std::max(top, row[n]);
+        const float floor = top - (std::fabs(top) * BAND_REL + BAND_ABS);
+        std::vector<int64_t> near;
+        for (int64_t n = 0; n < N; ++n)
+            if (row[n] >= floor) near.push_back(n);
+        if (int64_t(near.size()) > EXACT_MAX)  // a flat row: the largest EXACT_MAX
+            std::nth_element(near.begin(), near.begin() + EXACT_MAX - 1, near.end(),
+                             [row](int64_t a, int64_t c) { return row[a] > row[c]; }),
+                near.resize(EXACT_MAX);
+        for (int64_t n : near) row[n] = column_dot(xf + m * xs, pw, K, n, b);
     }
     return out;
 }
@@ -265,7 +275,7 @@ Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> 
     const int64_t M = x.size(0), K = x.size(1);
     const ScalarType w_type = (panels ? *panels : *onednn_weight).scalar_type();
     // float32 x with half panels: float32 out, from the panel kernel up to small_m rows, above from oneDNN
-    // with each row's largest entries recomputed exactly (float32_io_onednn).
+    // with each row's entries near its maximum recomputed in float32 (float32_io_onednn).
     const bool float32_io = x.scalar_type() == ScalarType::Float && w_type != ScalarType::Float;
     STD_TORCH_CHECK(x.scalar_type() == w_type || (float32_io && panels),
                     "linear_cpu: x must be in the weights' dtype, or float32 with half panels");

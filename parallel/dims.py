@@ -81,7 +81,7 @@ class ParallelDims:
         experts over the expert group, the heads over tp. Returns the dims to run (expert parallelism
         dropped, with a warning, for a model without routed experts) and the layers per stage."""
         from toolkit.parallel.expert_parallel import check_expert_parallel, num_experts
-        from toolkit.parallel.pipeline import layer_partition
+        from toolkit.parallel.pipeline import head_layers, layer_partition
         from toolkit.parallel.tensor_parallel import check_tensor_parallel
 
         dims = self
@@ -89,7 +89,8 @@ class ParallelDims:
             log.warning("enable_expert_parallel: %s has no routed experts; ignored",
                         getattr(model_config, "path", "the model"))
             dims = replace(dims, expert_parallel=False)
-        stage_sizes = layer_partition(model_config.num_layers, dims.pp, dims.pp_layer_partition)
+        stage_sizes = layer_partition(model_config.num_layers, dims.pp, dims.pp_layer_partition,
+                                      head_layers(model_config) if dims.pp > 1 else 0.0)
         if dims.world_size == 1 and world_size == 1:
             return dims, stage_sizes
         dims.check_world(world_size)

@@ -8,9 +8,13 @@ before any weight is read (`split_stage`), so loading reads only the stage's own
 holds: a stage without the embedding continues from the hidden states it is given, one without the
 lm_head returns every token's hidden state (toolkit/models/llama.py).
 
-The default split is vLLM's (`get_pp_indices`): layers // pp each, the leftover layers one each to
-the stages before the last, from the second-to-last backwards (the last stage also runs the norm and
-the lm_head). `pp_layer_partition="4,4,5,3"` overrides it.
+The default split balances the stages' work: the last stage also runs the final norm and the lm_head,
+counted as `head_layers` decoder layers (its multiply-adds per sampled token over a layer's per token,
+halved: only sampled tokens reach it, and a workload with as many prompt as output tokens samples half
+of what it feeds), so the last stage takes fewer layers (the 125M Llama shape: 7,5 at pp=2, where
+vLLM's even split is 6,6). The other stages split the rest by vLLM's rule (`get_pp_indices`): layers //
+n each, the leftovers one each from the second-to-last backwards. `pp_layer_partition="4,4,5,3"`
+overrides it.
 
 `PipelineParallel` is one rank's stage and its links (hidden states by point-to-point, the sampled
 tokens back by broadcast, per-stage busy and idle time); the pipeline executor drives it
@@ -40,19 +44,24 @@ LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.")
 RESULT_HEAD = 1 << 16
 
 
-def layer_partition(num_layers: int, pp: int, partition: str | None = None) -> list[int]:
-    """Layers per stage: `partition` ("4,4,5,3") when given, else vLLM's even split. Raises
-    ParallelConfigError (before any weight is read) for a partition or a size that cannot work."""
+def layer_partition(num_layers: int, pp: int, partition: str | None = None, head_layers: float = 0.0) -> list[int]:
+    """Layers per stage: `partition` ("4,4,5,3") when given, else the split that balances the stages
+    when the last one also runs a head worth `head_layers` layers (see the module's docstring; 0 gives
+    vLLM's even split). Raises ParallelConfigError (before any weight is read) for a partition or a
+    size that cannot work."""
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
         raise ParallelConfigError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
     if pp > num_layers:
         raise ParallelConfigError(f"pipeline_parallel_size {pp} is more than the model's {num_layers} layers: "
                                   "every stage needs at least one layer")
     if partition is None:
-        sizes = [num_layers // pp] * pp
-        for i in range(2, num_layers % pp + 2):
-            sizes[-i] += 1
-        return sizes
+        if pp == 1 or head_layers <= 0:
+            return _even(num_layers, pp)
+        # The last stage's layers: those that keep the costliest stage cheapest (ties: the most, so the
+        # other stages' share is spread as evenly as it can be).
+        cost = lambda last: max(last + head_layers, -(-(num_layers - last) // (pp - 1)))  # noqa: E731
+        last = min(range(num_layers - pp + 1, 0, -1), key=cost)
+        return _even(num_layers - last, pp - 1) + [last]
     try:
         sizes = [int(part) for part in str(partition).split(",")]
     except ValueError:
@@ -67,6 +76,27 @@ def layer_partition(num_layers: int, pp: int, partition: str | None = None) -> l
         raise ParallelConfigError(f"pp_layer_partition {partition!r} sums to {sum(sizes)} layers but the model has "
                                   f"{num_layers}")
     return sizes
+
+
+def _even(num_layers: int, stages: int) -> list[int]:
+    """vLLM's split: num_layers // stages each, the leftovers one each from the second-to-last back."""
+    sizes = [num_layers // stages] * stages
+    for i in range(2, num_layers % stages + 2):
+        sizes[-i] += 1
+    return sizes
+
+
+def head_layers(config) -> float:
+    """The final norm and lm_head's work in decoder layers, for the default split: the lm_head's
+    multiply-adds per sampled token over one layer's per token (its attention projections and MLP, or
+    its active experts), halved (only sampled tokens reach the head). Attention over the context is
+    left out, so on long contexts this is an upper bound."""
+    h, hd = config.hidden_size, config.head_dim
+    attention = h * hd * (2 * config.num_heads + 2 * config.num_kv_heads)
+    moe = getattr(config, "moe", None)
+    inner = config.intermediate_size if moe is None else moe.top_k * moe.intermediate_size + \
+        moe.shared_expert_intermediate_size
+    return 0.5 * config.vocab_size * h / (attention + 3 * h * inner)
 
 
 @dataclass(frozen=True)

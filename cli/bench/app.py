@@ -316,6 +316,8 @@ def _run(command: str, o: dict) -> None:
             runs += [(m, None, args) for m in ours_modes for args in variants]
             for mode, variant, engine_args in runs:
                 if _pipelined(engine_args):
+                    from toolkit.parallel.pipeline import head_layers as pipeline_head_layers
+
                     label = f"toolkit ({mode}" + "".join(f", {k}={v}" for k, v in engine_args.items()) + ")"
                     system = PipelineSystem(label, model_path, dict(
                         load_format=load_format, dtype=dtype_name, eager=mode == "eager", max_model_len=max_model_len,
@@ -325,7 +327,8 @@ def _run(command: str, o: dict) -> None:
                     res = results[label] = {"kind": "ours", "startup": raw["startup"], "throughput": raw["throughput"]}
                     res["pipeline"] = {"stages": raw["stages"], "threads_per_rank": system.spec["threads"],
                                        "bubble_model": bubble_model(raw["stages"], mc.num_layers, _tokens_fed(requests),
-                                                                    raw["throughput"]["output_tokens"])}
+                                                                    raw["throughput"]["output_tokens"],
+                                                                    head_layers=pipeline_head_layers(mc))}
                     plain_label, plain_tokens = plain_runs[mode]
                     res["tokens_identical_to_plain"] = raw["tokens"] == plain_tokens.get("throughput")
                     pairs.append((label, plain_label))

@@ -11,7 +11,7 @@ workload:
   host work per plan on every rank (schedule, inputs, sampling, update: busy minus compute), w the
   compute per token of one layer (the first stage's compute over its layers: its embedding is a
   gather), e that of the final norm and lm_head (the last stage's compute beyond its layers), l_s
-  the stage's layers (the measured run's split at its pp, vLLM's at the others), T the tokens the run fed and N_P the plans: with pp plans in
+  the stage's layers (the measured run's split at its pp, the engine's default split at the others), T the tokens the run fed and N_P the plans: with pp plans in
   flight each takes 1/pp of the live requests, so N_P = N_measured * P / P_measured;
 - in steady state each stage works on P plans per cycle and a plan must pass every stage before
   its requests run again, so a plan takes max(max_s t_s, sum_s t_s / P) + d, d (P > 1 only) being
@@ -77,9 +77,10 @@ def stage_delta(before: list[dict], after: list[dict]) -> list[dict]:
 
 
 def bubble_model(stages: list[dict], num_layers: int, tokens_fed: int, output_tokens: int,
-                 max_stages: int = MAX_PREDICTED_STAGES) -> dict:
+                 max_stages: int = MAX_PREDICTED_STAGES, head_layers: float = 0.0) -> dict:
     """Predicted elapsed time, output tokens/s and per-stage idle for 1..max_stages stages (module
-    docstring), from one measured run's `stages` (stage_delta), next to what that run measured."""
+    docstring), from one measured run's `stages` (stage_delta), next to what that run measured.
+    `head_layers`: the engine's estimate of the head in layers, which its default split uses."""
     from toolkit.parallel.pipeline import layer_partition
 
     measured_pp, plans = len(stages), stages[0]["plans"]
@@ -93,9 +94,9 @@ def bubble_model(stages: list[dict], num_layers: int, tokens_fed: int, output_to
     predictions = []
     for pp in range(1, min(max_stages, num_layers) + 1):
         num_plans = plans * pp / measured_pp
-        # The measured run's own split (it may have been chosen); vLLM's for the others.
+        # The measured run's own split (it may have been chosen); the engine's default for the others.
         split = ([s["layers"][1] - s["layers"][0] for s in stages] if pp == measured_pp
-                 else layer_partition(num_layers, pp))
+                 else layer_partition(num_layers, pp, head_layers=head_layers))
         times = [host + (layers * layer + (head if i == pp - 1 else 0.0)) * tokens_fed / num_plans
                  for i, layers in enumerate(split)]
         per_plan = max(max(times), sum(times) / pp) + (wait if pp > 1 else 0.0)

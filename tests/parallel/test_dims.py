@@ -14,6 +14,7 @@ from toolkit.parallel import ParallelConfigError, ParallelDims
 
 def dense(**kw):
     base = dict(family="llama", num_heads=8, num_kv_heads=2, intermediate_size=64, num_layers=6, path="dense",
+                hidden_size=64, head_dim=8, vocab_size=128,
                 tie_word_embeddings=False)
     return SimpleNamespace(**{**base, **kw})
 

@@ -11,7 +11,7 @@ from toolkit.attention import allocate_kv_cache
 from toolkit.config import load_model_config
 from toolkit.inputs import build
 from toolkit.parallel import ParallelConfigError
-from toolkit.parallel.pipeline import StageSplit, layer_partition
+from toolkit.parallel.pipeline import StageSplit, head_layers, layer_partition
 from toolkit.scheduling import ScheduledRequest
 from toolkit.weights import load_model
 
@@ -22,6 +22,50 @@ from toolkit.weights import load_model
 def test_default_partition_is_vllms_rule(layers, pp, want):
     # Even, then one leftover layer each to the stages before the last, from the second-to-last back.
     assert layer_partition(layers, pp) == want
+
+
+def _splits(layers: int, pp: int):
+    """Every split of `layers` into `pp` stages of at least one layer."""
+    if pp == 1:
+        yield [layers]
+        return
+    for first in range(1, layers - pp + 2):
+        for rest in _splits(layers - first, pp - 1):
+            yield [first, *rest]
+
+
+@pytest.mark.parametrize("layers,pp", [(12, 2), (12, 3), (30, 2), (30, 4), (7, 3), (5, 5)])
+@pytest.mark.parametrize("head", [0.3, 1.95, 4.0, 9.0])
+def test_the_default_split_minimizes_the_costliest_stage_with_the_head_on_the_last(layers, pp, head):
+    # Against every split there is: none has a cheaper costliest stage (the last one's cost is its
+    # layers plus the head's).
+    cost = lambda split: max(*split[:-1], split[-1] + head) if len(split) > 1 else split[0] + head  # noqa: E731
+    chosen = layer_partition(layers, pp, head_layers=head)
+    assert sum(chosen) == layers and len(chosen) == pp and min(chosen) >= 1
+    assert cost(chosen) == min(cost(split) for split in _splits(layers, pp))
+
+
+@pytest.mark.parametrize("shape,want", [("125m", [7, 5]), ("smollm2", [17, 13])])
+def test_the_heads_weight_is_half_its_matmul_over_a_layers(tmp_path, shape, want):
+    # Counted from the built model's own linears (meta device): the lm_head's weights over one decoder
+    # layer's, halved (only sampled tokens reach the head).
+    import transformers
+
+    from toolkit.cli.bench.model import shape_config
+    from toolkit.weights import build_model
+
+    if shape == "125m":
+        hf = shape_config("125m")
+    else:  # SmolLM2-135M's shape: 9 heads of 64, 3 kv heads, 30 layers, tied 49,152-token head
+        hf = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                      num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                      tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+    hf.save_pretrained(tmp_path)
+    config = load_model_config(tmp_path)
+    model = build_model(config, 64)
+    layer = sum(m.weight.numel() for m in model.model.layers["0"].modules() if isinstance(m, torch.nn.Linear))
+    assert head_layers(config) == pytest.approx(0.5 * model.lm_head.weight.numel() / layer)
+    assert layer_partition(config.num_layers, 2, head_layers=head_layers(config)) == want
 
 
 def test_partition_override_and_errors():

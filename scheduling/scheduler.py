@@ -16,7 +16,9 @@ the step's `kv_transfer` plan before its forward), and only the rest is schedule
 
 Several plans may be in flight at once (`max_plans_in_flight`, for pipeline stages): a request
 scheduled in a plan whose `update` has not come is neither scheduled again nor preempted, and each
-plan takes at most 1/depth of the live requests, so the plans in flight stay about equal.
+plan takes at most 1/depth of the live requests and 1/depth of the token budget, so the plans in
+flight stay about equal and hold one step's tokens between them (a prompt's chunks spread over the
+plans instead of making one much longer than the next, which would idle the stages in turn).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"  # "swap" needs a connector with a CPU tier (kv_tiers.py)
     # Step plans that may be in flight at once (pipeline parallelism: one per stage). Each plan then takes
-    # at most 1/depth of the live requests, so the plans in flight stay about the same size.
+    # at most 1/depth of the live requests and of max_num_batched_tokens, so the plans in flight stay
+    # about the same size.
     max_plans_in_flight: int = 1
 
     def __post_init__(self) -> None:
@@ -247,7 +250,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(rejected=self._rejected, finished_ids=self._finished_ids)
         self._rejected, self._finished_ids = [], []
-        budget = self.config.max_num_batched_tokens
+        budget = plan_budget = -(-self.config.max_num_batched_tokens // self.config.max_plans_in_flight)
         ready = [r for r in self._running if r.request_id not in self._in_step]
         decodes = [r for r in ready if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in ready if r.num_tokens - r.num_computed_tokens > 1]
@@ -268,7 +271,7 @@ class Scheduler:
         # just preempted, which must not run in the step that preempted it.
         if not out.preempted:
             budget = self._admit_waiting(budget, out, cap)
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.num_batched_tokens = plan_budget - budget
         self._in_step.update(scheduled.request_id for scheduled in out.scheduled)
         if self.connector is not None:
             self.connector.blocks_evicted(self.kv_cache.block_pool.drain_evicted())

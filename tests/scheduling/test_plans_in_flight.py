@@ -75,6 +75,19 @@ def test_a_plan_takes_its_share_of_the_live_requests():
     assert {s.request_id for s in again.scheduled} == {s.request_id for s in first.scheduled}
 
 
+def test_plans_in_flight_share_the_token_budget():
+    # A 100-token prompt under a 40-token budget: one plan at a time takes 40-token chunks; two in
+    # flight take 20 each, so the tokens in flight are still 40 and the chunks alternate plans.
+    for depth, chunk in ((1, 40), (2, 20), (3, 14)):
+        sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=40, max_model_len=128,
+                                          max_plans_in_flight=depth))
+        sched.add_request(req("long", 100, 2))
+        sched.add_request(req("short", 3, 2))
+        plan = sched.schedule()
+        assert plan.num_batched_tokens == sum(len(s.token_ids) for s in plan.scheduled) <= chunk
+        assert [len(s.token_ids) for s in plan.scheduled if s.request_id == "long"] == [chunk]
+
+
 def test_no_preemption_of_a_request_in_flight():
     # 3 blocks of 4 tokens: r0 and r1 both running, r1 in flight; r0 needs another block and must wait
     # rather than take r1's (whose KV the plan in flight is writing).

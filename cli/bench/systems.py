@@ -57,10 +57,11 @@ class OursSystem:
                  kv_cache_memory_bytes: int | None, max_num_seqs: int, max_num_batched_tokens: int,
                  speculative_config=None, engine_args: dict | None = None):
         """`engine_args`: more EngineConfig fields (a --variant), named in the label."""
-        self.kwargs = dict(dtype=dtype, enforce_eager=eager, skip_tokenizer_init=True, load_format=load_format,
-                           seed=0, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           speculative_config=speculative_config, **(engine_args or {}))
+        # A variant's fields win over the bench's own (e.g. its max_num_batched_tokens).
+        self.kwargs = {**dict(dtype=dtype, enforce_eager=eager, skip_tokenizer_init=True, load_format=load_format,
+                              seed=0, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              speculative_config=speculative_config), **(engine_args or {})}
         self.model = model
         self.eager = eager
         self.spec = speculative_config

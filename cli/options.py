@@ -144,8 +144,8 @@ PipelineParallelOpt = Annotated[int, typer.Option(
          "flight so every stage works; world = tp x dp x pp, started by itself like --tp.")]
 PipelinePartitionOpt = Annotated[Optional[str], typer.Option(
     "--pp-layer-partition", rich_help_panel=PARALLEL, show_default=False,
-    help="Layers per pipeline stage, e.g. 4,4,5,3 (must sum to the model's layers). Default: even, the "
-         "leftover layers to the stages before the last (vLLM's split).")]
+    help="Layers per pipeline stage, e.g. 4,4,5,3 (must sum to the model's layers). Default: the split "
+         "that balances the stages' work, counting the last stage's lm_head as layers.")]
 PrefillInstancesOpt = Annotated[int, typer.Option(
     "--prefill-instances", min=0, rich_help_panel=PARALLEL,
     help="Disaggregated prefill/decode: instances that only prefill prompts and send their KV to the decode "

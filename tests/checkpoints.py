@@ -84,7 +84,11 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
     """transformers' own generate, one prompt at a time (no padding), stopping at EOS like the engine."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompts, max_new_tokens)
+
+
+def model_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """A transformers model's greedy generate, one prompt at a time (no padding), stopping at its EOS."""
     outs = []
     with torch.no_grad():
         for p in prompts:

@@ -20,6 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tests.checkpoints import CHAT_TEMPLATE, COMMON
+from tests.checkpoints import model_greedy as hf_greedy  # noqa: F401  (transformers greedy on a model built here)
 
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -161,18 +162,6 @@ def dequantized_model(path: Path):
     model = LlamaForCausalLM(config).eval()
     model.load_state_dict(state, strict=True)
     return model
-
-
-def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers' greedy generate, one prompt at a time (no padding), stopping at the config's EOS."""
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
 
 
 # --- K-quants: the gguf package de-quantizes them but has no quantizer; this plain one (per sub-block

@@ -102,6 +102,7 @@ def serve(
         with interruptible():
             try:
                 engine = load_engine(model, engine_args, stderr_console(), quiet=rank != 0)
+                _warm_up(engine)
             except KeyboardInterrupt as e:
                 stderr_console().print(f"{describe(e)} while loading the model: stopped", soft_wrap=True)
                 raise typer.Exit(0) from None
@@ -111,6 +112,20 @@ def serve(
             raise typer.Exit(e.code) from None
         exit_with(e)
     raise typer.Exit(0)
+
+
+def _warm_up(engine) -> None:
+    """One short request through the engine before the server answers /health, on every rank alike:
+    the compiled step's graphs (prefill, decode; the speculative step's) are built now rather than in
+    the first clients' requests, which would otherwise wait for them (tens of seconds on 2 cores)."""
+    from toolkit import SamplingParams
+
+    prompt = [t % engine.model_config.vocab_size for t in range(1, 9)]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max(1, min(12, engine.max_model_len - 8)))
+    engine.add_request("toolkit-serve-warm-up", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    engine.reset_prefix_cache()  # the clients' cache starts empty
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -296,6 +296,23 @@ def test_metrics_parse_and_counters_move_as_requests_complete(server, client):
     assert not any(math.isnan(v) for v in after.values())
 
 
+def test_a_compiled_server_builds_its_graphs_before_it_answers(ckpt):
+    # `toolkit serve` runs one warm-up request before /health answers, so no client request waits for a
+    # compile (the first ones did, for tens of seconds): the graph count is set at start and stays.
+    server = Server(ckpt, "--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, "--kv-cache-memory", "8MiB",
+                    "--served-model-name", "tiny")
+    try:
+        graphs = server.metrics()[("toolkit:compiled_graphs", ())]
+        assert graphs >= 1
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+        client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=9, temperature=0)
+        assert server.metrics()[("toolkit:compiled_graphs", ())] == graphs
+    finally:
+        code, stderr = server.stop()
+    assert code == 0, stderr[-4000:]
+
+
 # --- overload and SIGTERM: a server with one slot and one waiting place ---------------------------------
 
 

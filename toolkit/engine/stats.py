@@ -47,7 +47,8 @@ def engine_metrics(engine) -> list:
                Gauge("toolkit:num_requests_waiting", value=scheduler.num_waiting),
                Counter("toolkit:prefix_cache_queries", value=prefix.queries),
                Counter("toolkit:prefix_cache_hits", value=prefix.hits),
-               Counter("toolkit:prefix_cache_hits_tier", {"tier": "device"}, prefix.device_hits)]
+               Counter("toolkit:prefix_cache_hits_tier", {"tier": "device"}, prefix.device_hits),
+               Gauge("toolkit:compiled_graphs", value=engine.runner.graphs)]  # one per step kind once warm
     mover = engine.worker.kv_mover
     if mover is not None:
         metrics += mover.metrics()

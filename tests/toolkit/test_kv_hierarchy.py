@@ -159,6 +159,9 @@ def test_disk_tier_is_read_by_a_second_process_and_refuses_bad_entries(llama, tm
     check_tokens(generate(reader, first), expected[:len(first)], "disk tier, second process")
     hits = metric(reader, "toolkit:prefix_cache_hits_tier", tier="disk")
     assert hits > 0 and metric(reader, "toolkit:kv_transfer_failed_loads") == 0
+    # Each engine's disk writes run on a background thread: they must have landed before the entries
+    # are damaged below, or a late good write would replace a damaged entry (the test failed so once).
+    reader.engine.kv_tiers.close()
 
     # Break every entry in a different way: each is refused, and the tokens are recomputed.
     other = write_checkpoint(tmp_path / "other", "llama3", seed=9)
@@ -195,6 +198,7 @@ def test_disk_tier_is_read_by_a_second_process_and_refuses_bad_entries(llama, tm
         assert metric(fresh, "toolkit:kv_transfer_failed_loads") >= len(refused)  # a block per request that read it
         if problem != "fingerprint":  # there only the prompt blocks were replaced; the rest are good
             assert metric(fresh, "toolkit:prefix_cache_hits_tier", tier="disk") == 0
+        fresh.engine.kv_tiers.close()  # its recomputed blocks' writes land before the next damage
 
 
 def test_a_tier_that_cannot_be_had_is_left_out_with_a_warning(llama, tmp_path, caplog):

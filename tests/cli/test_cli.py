@@ -324,7 +324,7 @@ def test_single_prompt_separates_n_completions_and_prints_logprobs(ckpt, llm):
 def test_the_default_model_answers_the_capital_question_as_make_run_asks_it():
     """`make run` on a fresh install: the default model (SmolLM2-135M-Instruct), compiled, the chat template applied."""
     if demo_model.default_model_file() is None:
-        pytest.skip(f"the default model is not installed ({demo_model.INSTALL_DEFAULT}; make setup installs it)")
+        pytest.fail(f"the default model is not installed ({demo_model.INSTALL_DEFAULT}; make setup installs it)")
     result = toolkit("generate", "What is the capital of France?")
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout, result.output
@@ -766,7 +766,7 @@ def test_without_the_default_model_installed_the_error_says_how_to_install_it(mo
 def test_info_without_a_model_describes_the_default_one():
     path = demo_model.default_model_file()
     if path is None:
-        pytest.skip(f"the default model is not installed ({demo_model.INSTALL_DEFAULT}; make setup installs it)")
+        pytest.fail(f"the default model is not installed ({demo_model.INSTALL_DEFAULT}; make setup installs it)")
     result = toolkit("info", "--json", "--memory", "1GiB")
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)

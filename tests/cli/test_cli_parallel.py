@@ -56,13 +56,20 @@ def run_cli_measured(*args) -> tuple[subprocess.CompletedProcess, int, list[int]
     peaks: dict[int, int] = {}
     done = threading.Event()
 
+    parents: dict[int, int] = {}
+
     def sample():
         me = psutil.Process(top.pid)
         while not done.wait(0.02):
-            for p in [me, *me.children(recursive=True)] if top.poll() is None else []:
+            try:
+                processes = [me, *me.children(recursive=True)] if top.poll() is None else []
+            except psutil.NoSuchProcess:  # one exited while the tree was listed
+                continue
+            for p in processes:
                 peak = vm_hwm(p.pid)
                 if peak is not None and "toolkit.cli.main" in " ".join(_cmdline(p)):
                     peaks[p.pid] = max(peaks.get(p.pid, 0), peak)
+                    parents.setdefault(p.pid, _ppid(p))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -72,7 +79,9 @@ def run_cli_measured(*args) -> tuple[subprocess.CompletedProcess, int, list[int]
         done.set()
         sampler.join()
         top.kill()
-    workers = [peak for pid, peak in peaks.items() if pid != top.pid]
+    # A worker's own children (the C++ kernels' compiler, forked from it) carry its command line until
+    # they exec: they are not workers, and their resident pages are the worker's.
+    workers = [peak for pid, peak in peaks.items() if pid != top.pid and parents.get(pid) not in peaks.keys() - {top.pid}]
     return subprocess.CompletedProcess(top.args, top.returncode, stdout, stderr), peaks.get(top.pid, 0), workers
 
 
@@ -253,6 +262,13 @@ def _wait_for_writing_workers(top, out: Path, deadline: float) -> list:
         assert top.status() != "zombie", "the run ended before it was killed"
         time.sleep(0.05)
     raise AssertionError("the two workers never started writing")
+
+
+def _ppid(process) -> int | None:
+    try:
+        return process.ppid()
+    except Exception:  # it exited meanwhile
+        return None
 
 
 def _cmdline(process) -> list[str]:

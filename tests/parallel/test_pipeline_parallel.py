@@ -156,7 +156,10 @@ def assert_same_samples(got: list[dict], want: list[dict]) -> None:
 
 def test_a_stage_dying_mid_run_ends_the_job_naming_it(case, tmp_path):
     start = time.monotonic()
-    proc = torchrun(tmp_path, ["--nproc-per-node=2", "--standalone"],
+    # The agent stops the surviving rank at its first poll after a death (every 0.1 s by default), which
+    # on a loaded machine can come before that rank has had a time slice to notice and name its peer
+    # (it once did): polling every 2 s leaves it that moment, and the job still ends within seconds.
+    proc = torchrun(tmp_path, ["--nproc-per-node=2", "--standalone", "--monitor-interval=2"],
                     ["--model", str(case.paths["llama3"]), "--prompts", str(case.prompts), "--pp", "2",
                      "--fail-rank", "1"],
                     env={"TOOLKIT_DIST_TIMEOUT": "20"})

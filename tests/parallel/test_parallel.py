@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -356,4 +357,10 @@ def free_port() -> int:
 
 
 def output_tail(proc) -> str:
-    return (proc.stdout + proc.stderr)[-4000:]
+    """The end of a failed launch's output, led by the root-cause rank's own lines (torchrun names that
+    rank; torch prefixes a rank's traceback with "[rankN]:"), which the other ranks' connection errors
+    would otherwise push out of the tail."""
+    text = proc.stdout + proc.stderr
+    root = re.search(r"Root Cause.*?\brank\s*:\s*(\d+)", text, re.DOTALL)
+    own = [line for line in text.splitlines() if root and line.startswith(f"[rank{root.group(1)}]:")]
+    return ("\n".join(own[-60:]) + "\n...\n" if own else "") + text[-4000:]

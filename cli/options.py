@@ -136,8 +136,9 @@ TensorParallelOpt = Annotated[int, typer.Option(
     help="Processes that split each layer (tensor parallel). tp x dp x pp > 1 starts that many processes by itself.")]
 DataParallelOpt = Annotated[int, typer.Option(
     "--dp", "--data-parallel-size", min=1, rich_help_panel=PARALLEL,
-    help="Independent replicas, each serving a share of the input lines (needs --input/--output); "
-         "each writes OUTPUT.dpI-of-N, merged into OUTPUT at the end.")]
+    help="Independent replicas of the model, each serving a share of the requests. generate: needs "
+         "--input/--output, each replica writes OUTPUT.dpI-of-N, merged into OUTPUT at the end; serve: each "
+         "request goes to the replica with the least work.")]
 PipelineParallelOpt = Annotated[int, typer.Option(
     "--pp", "--pipeline-parallel-size", min=1, rich_help_panel=PARALLEL,
     help="Processes that each hold a run of the layers (pipeline stages), with up to this many batches in "

@@ -1,8 +1,9 @@
 """`toolkit serve [MODEL]`: an OpenAI-compatible HTTP server (toolkit/server/) over one engine.
 
-With --tp/--pp > 1 the command runs itself as that many processes (as `toolkit generate` does);
-global rank 0 serves HTTP and broadcasts each step's new requests and aborts to the others, which
-run the same engine loop without a front end. SIGTERM or Ctrl-C stops it gracefully: no new
+With --tp/--pp/--dp > 1 the command runs itself as that many processes (as `toolkit generate`
+does); global rank 0 serves HTTP and broadcasts each step's new requests and aborts to the others,
+which run the same engine loop without a front end. With --dp rank 0 routes each request to the
+replica with the least work, and gathers every replica's news after each step. SIGTERM or Ctrl-C stops it gracefully: no new
 connections, in-flight requests get --shutdown-timeout seconds to finish, the rest are aborted, and
 the command exits 0.
 """
@@ -64,6 +65,7 @@ def serve(
     preemption_mode: o.PreemptionOpt = o.PreemptionMode.recompute,
     tp: o.TensorParallelOpt = 1,
     pp: o.PipelineParallelOpt = 1,
+    dp: o.DataParallelOpt = 1,
     pp_layer_partition: o.PipelinePartitionOpt = None,
     enable_expert_parallel: o.ExpertParallelOpt = False,
     verbose: o.VerboseOpt = False,
@@ -81,18 +83,19 @@ def serve(
         dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, eager=eager,
         attention_backend=attention_backend, device=device, tensor_parallel_size=tp, cpu_linear=cpu_linear,
-        enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp, pp_layer_partition=pp_layer_partition)
+        enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp, pp_layer_partition=pp_layer_partition,
+        data_parallel_size=dp)
     engine_args.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                                    kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                                    preemption_mode=preemption_mode))
-    world, rank = tp * pp, int(os.environ.get("RANK", "0"))
+    world, rank = tp * pp * dp, int(os.environ.get("RANK", "0"))
     name = served_model_name or str(model or "toolkit-default")
     try:
         if speculative_config is not None:
             engine_args["speculative_config"] = o.parse_speculative_config(speculative_config, model)
         if world > 1:
             if "RANK" not in os.environ:
-                check_model_splits(model, tp, 1, enable_expert_parallel, pp, pp_layer_partition)
+                check_model_splits(model, tp, dp, enable_expert_parallel, pp, pp_layer_partition)
             from toolkit.parallel import maybe_relaunch
 
             code = maybe_relaunch(world)

@@ -27,7 +27,7 @@ def run_requests(loop: EngineLoop, requests: list[NewRequest], before_start=None
     async def main():
         updates: asyncio.Queue = asyncio.Queue()
         for i, request in enumerate(requests):
-            loop.submit(request, Stream(asyncio.get_running_loop(), request.params, updates, i))
+            loop.submit(request, Stream(asyncio.get_running_loop(), updates, i))
         if before_start is not None:
             before_start()
         loop.start()

@@ -1,5 +1,7 @@
-"""`toolkit serve --tp 2` and `--pp 2`: the command relaunches itself as two processes (gloo on CPU),
-rank 0 serves HTTP and hands each step's new requests and aborts to the other rank.
+"""`toolkit serve --tp 2`, `--pp 2` and `--dp 2`: the command relaunches itself as two processes (gloo
+on CPU), rank 0 serves HTTP and hands each step's new requests and aborts to the other rank; with
+--dp each request goes to one replica, whose news rank 0 gathers after each step (both replicas
+serve some: their routed counts; the KV gauges count both replicas' blocks).
 
 Oracle: `LLM.generate` in one process on the same checkpoint: greedy text streamed and not, a list
 of prompts, seeded n=2. A client that disconnects mid-stream aborts on both ranks (every block free
@@ -38,9 +40,10 @@ def llm(ckpt):
     return LLM(str(ckpt), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=4 * 2**20)
 
 
-@pytest.fixture(scope="module", params=[["--tp", 2], ["--pp", 2]], ids=["tp2", "pp2"])
+@pytest.fixture(scope="module", params=[["--tp", 2], ["--pp", 2], ["--dp", 2]], ids=["tp2", "pp2", "dp2"])
 def server(request, ckpt):
     server = Server(ckpt, *FLAGS, *request.param, "--served-model-name", "tiny", env={"OMP_NUM_THREADS": "1"})
+    server.replicas = 2 if request.param[0] == "--dp" else 1
     yield server
     code, stderr = server.stop()
     assert code == 0, stderr[-4000:]
@@ -65,6 +68,11 @@ def test_answers_equal_the_single_process(server, llm):
     seeded = llm.generate(PROMPTS[0], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8), use_tqdm=False)[0]
     answer = client.completions.create(model="tiny", prompt=PROMPTS[0], n=2, temperature=1.0, seed=3, max_tokens=8)
     assert [c.text for c in sorted(answer.choices, key=lambda c: c.index)] == [s.text for s in seeded.outputs]
+    metrics = server.metrics()
+    routed = [v for (name, _), v in metrics.items() if name == "toolkit:dp_requests_routed_total"]
+    assert len(routed) == (server.replicas if server.replicas > 1 else 0) and all(routed), metrics
+    if server.replicas > 1:  # each replica has the single process's memory and blocks
+        assert metrics[("toolkit:kv_cache_blocks", ())] == llm.engine.scheduler.kv_cache.num_blocks * server.replicas
 
 
 def test_a_disconnect_aborts_on_every_rank_and_they_stay_in_step(server, llm):

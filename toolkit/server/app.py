@@ -52,7 +52,8 @@ def build_app(loop: EngineLoop, front: Front, metrics: ServerMetrics) -> FastAPI
 
     @app.get("/metrics")
     async def prometheus():
-        snapshot = await asyncio.wrap_future(_on_engine(loop, engine_snapshot))
+        snapshot = await asyncio.wrap_future(_on_engine(loop, lambda engine: engine_snapshot(
+            engine, loop.kv_blocks, loop.router.routed if loop.router else None)))
         return HTTPResponse(metrics.exposition(snapshot), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
@@ -135,7 +136,7 @@ async def _generate(request: Request, kind: str, loop: EngineLoop, front: Front,
     running = set()
     try:
         for p, (request_id, prompt) in enumerate(zip(ids, parsed.prompts)):
-            stream = Stream(asyncio.get_running_loop(), parsed.params, updates, p)
+            stream = Stream(asyncio.get_running_loop(), updates, p)
             loop.submit(NewRequest(request_id, prompt.token_ids, parsed.params, prompt.text), stream)
             running.add(p)
         first = await _unless_gone(request, updates.get())

@@ -7,9 +7,13 @@ rank of a tensor- or pipeline-parallel engine adds, aborts and steps in the same
 engine requires. When nothing runs, rank 0 still sends an empty batch every `HEARTBEAT_S`, so the
 other ranks' wait in the broadcast never reaches the collective timeout of an idle server.
 
-After each step rank 0 cuts each live request's new tokens, text and logprobs from the output
-processor (`OutputProcessor.partial`) and hands them to the request's `Stream`, an asyncio queue
-read by the HTTP handler on the event loop's thread.
+With data parallelism rank 0 also routes each new request to one replica (`ReplicaRouter`: the one
+with the fewest tokens still to compute), and only that replica adds it.
+
+After each step the first rank of each replica cuts each of its live requests' new tokens, text and
+logprobs from the output processor (`OutputProcessor.partial`) as `Update`s; with data parallelism
+those of every replica are gathered to rank 0 (one gather per step). Rank 0 hands each to its
+request's `Stream`, an asyncio queue read by the HTTP handler on the event loop's thread.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from toolkit.outputs import CompletionOutput, Logprob, RequestOutput
+from toolkit.parallel import gather_replicas, request_cost
 from toolkit.sampling_params import SamplingParams
 
 log = logging.getLogger("toolkit")
@@ -39,6 +44,7 @@ class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    replica: int = 0  # the data-parallel replica that serves it (rank 0 routes)
 
 
 @dataclass
@@ -73,19 +79,61 @@ class Update:
     status: int = 400  # of the error: the request's fault (400), or the engine's (500)
 
 
+@dataclass
+class ReplicaNews:
+    """What a replica's first rank tells rank 0 after each step."""
+
+    updates: dict[str, Update]
+    busy: bool  # it still has requests
+    waiting: int  # sequences its scheduler has waiting
+    kv_blocks: tuple[int, int]  # its KV cache's blocks: (all, free)
+
+
 class Stream:
     """One engine request's updates, put by the engine thread on an asyncio queue read on the event
     loop, tagged (a request with several prompts reads all of theirs from one queue)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, params: SamplingParams, updates: asyncio.Queue, tag=None):
-        self.loop, self.params, self.updates, self.tag = loop, params, updates, tag
-        # Engine-thread state: what has been handed out per sequence (tokens, characters of text).
-        self.sent_tokens = [0] * params.n
-        self.sent_text = [0] * params.n
-        self.done = [False] * params.n
+    def __init__(self, loop: asyncio.AbstractEventLoop, updates: asyncio.Queue, tag=None):
+        self.loop, self.updates, self.tag = loop, updates, tag
 
     def put(self, update: Update) -> None:
         self.loop.call_soon_threadsafe(self.updates.put_nowait, (self.tag, update))
+
+
+class _Sent:
+    """What has been handed out of one request's sequences: tokens and characters of text (kept on the
+    first rank of the replica that runs it)."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.tokens = [0] * params.n
+        self.text = [0] * params.n
+        self.done = [False] * params.n
+
+
+class ReplicaRouter:
+    """Rank 0's choice of data-parallel replica for each new request: the one with the fewest tokens
+    still to compute (a request counts its `request_cost` until it ends, as the offline split
+    weighs it), ties to the lowest index."""
+
+    def __init__(self, replicas: int, max_model_len: int):
+        self.load = [0] * replicas
+        self.routed = [0] * replicas  # requests sent to each, since start
+        self.max_model_len = max_model_len
+        self._held: dict[str, tuple[int, int]] = {}  # request id -> (replica, cost)
+
+    def route(self, request: NewRequest) -> int:
+        cost = request_cost(len(request.prompt_token_ids), request.params.max_tokens, request.params.n,
+                            self.max_model_len)
+        replica = min(range(len(self.load)), key=self.load.__getitem__)
+        self.load[replica] += cost
+        self.routed[replica] += 1
+        self._held[request.request_id] = (replica, cost)
+        return replica
+
+    def ended(self, request_id: str) -> None:
+        replica, cost = self._held.pop(request_id, (0, 0))
+        self.load[replica] -= cost
 
 
 class RankSync:
@@ -113,11 +161,19 @@ class EngineLoop:
         self.on_finished = on_finished  # called with each finished RequestOutput (the server's metrics)
         self.on_failure = on_failure  # called once if the loop dies (the server then shuts down)
         self.serving = sync is None or sync.rank == 0  # this rank takes requests (HTTP)
+        state = engine.parallel
+        self.replica = state.dp_rank if state is not None else 0
+        self.dp = state.dp_size if state is not None else 1
+        # The rank that speaks for its replica (its pipeline stage 0, TP rank 0): what it hands out.
+        self.reporting = state is None or state.rank % state.replica_size == 0
+        self.router = ReplicaRouter(self.dp, engine.max_model_len) if self.serving and self.dp > 1 else None
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, Stream] = {}  # engine thread only
+        self._sent: dict[str, _Sent] = {}  # engine thread, reporting ranks: this replica's requests
         self._lock = threading.Lock()
         self._pending_sequences = 0  # submitted, not yet in the engine (under _lock)
-        self.num_waiting = 0  # the scheduler's waiting sequences after the last step (read by submit)
+        self.num_waiting = 0  # every replica's waiting sequences after the last step (read by submit)
+        self.kv_blocks: list[tuple[int, int]] = []  # each replica's (all, free) KV blocks after the last step
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what ended the loop, if not a stop
 
@@ -165,14 +221,16 @@ class EngineLoop:
                 batch = self._collect(wait=not busy) if self.serving else None
                 if self.sync is not None:
                     batch = self.sync.share(batch)
-                self._apply(batch)
+                refused, finished = self._apply(batch)
+                mine = False
+                if not batch.stop:
+                    # Asked once per step on every rank (a collective under some layouts: Engine.has_unfinished).
+                    mine = self.engine.has_unfinished()
+                    if mine:
+                        finished += self.engine.step()
+                busy = self._deliver({**self._updates(finished), **refused}, mine)
                 if batch.stop:
                     return
-                # Asked once per step on every rank (a collective under some layouts: Engine.has_unfinished).
-                busy = self.engine.has_unfinished()
-                if busy:
-                    self._publish(self.engine.step())
-                self.num_waiting = self.engine.scheduler.num_waiting
         except BaseException as e:  # noqa: BLE001  its clients get a 500 and the server stops, instead of hanging
             self.failure = e
             log.exception("the engine loop failed")
@@ -202,6 +260,8 @@ class EngineLoop:
         if kind == "add":
             _, request, stream = item
             self._streams[request.request_id] = stream
+            if self.router is not None:
+                request.replica = self.router.route(request)
             batch.adds.append(request)
         elif kind == "abort":
             batch.aborts.append(item[1])
@@ -215,24 +275,28 @@ class EngineLoop:
             batch.stop = True
             batch.aborts.extend(self._streams)
 
-    def _apply(self, batch: StepInput) -> None:
+    def _apply(self, batch: StepInput) -> tuple[dict[str, Update], list[RequestOutput]]:
+        """This replica's adds and the aborts of requests it holds; the adds it refused (their errors)
+        and the aborted requests' final outputs."""
+        refused = {}
         for request in batch.adds:
+            if request.replica != self.replica:
+                continue
             try:
                 self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
                                         prompt=request.prompt)
-            except ValueError as e:  # every rank refuses it alike; the HTTP side checked most of this
-                stream = self._streams.pop(request.request_id, None)
-                if stream is not None:
-                    stream.put(Update([], error=str(e)))
-            finally:
-                if self.serving:
-                    with self._lock:
-                        self._pending_sequences -= request.params.n
+                if self.reporting:
+                    self._sent[request.request_id] = _Sent(request.params)
+            except ValueError as e:  # every rank of the replica refuses it alike; the HTTP side checked most
+                refused[request.request_id] = Update([], error=str(e))
+        if self.serving:
+            with self._lock:
+                self._pending_sequences -= sum(request.params.n for request in batch.adds)
         aborted = []
         for request_id in batch.aborts:
             if request_id in self.engine.outputs.groups:
                 aborted.append(self._abort(request_id))
-        self._publish([out for out in aborted if out is not None])
+        return refused, [out for out in aborted if out is not None]
 
     def _abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request in the engine (its blocks are freed now); its final output, as it stood."""
@@ -244,43 +308,72 @@ class EngineLoop:
                              outputs=[group.done[i] for i in sorted(group.done)], finished=True,
                              metrics=group.metrics, error=group.error, num_cached_tokens=group.num_cached_tokens)
 
-    def _publish(self, finished: list[RequestOutput]) -> None:
-        """Each live stream's news from the step: its sequences' growth, and the end of the finished."""
-        if self.on_finished is not None and self.serving:
-            for out in finished:
-                self.on_finished(out)
-        if not self._streams:
-            return
+    def _updates(self, finished: list[RequestOutput]) -> dict[str, Update]:
+        """This replica's news from the step (on its first rank): each live request's growth, and the
+        end of the finished."""
+        if not self.reporting:
+            return {}
         ended = {out.request_id: out for out in finished}
-        for request_id, stream in list(self._streams.items()):
+        updates = {}
+        for request_id, sent in list(self._sent.items()):
             final = ended.get(request_id)
             if final is None and request_id not in self.engine.outputs.groups:
-                continue  # not added yet (a stop arrived first)
+                continue
             sequences = final.outputs if final is not None else self.engine.outputs.partial(request_id)
-            deltas = [d for d in (_delta(stream, seq) for seq in sequences) if d is not None]
+            deltas = [d for d in (_delta(sent, seq) for seq in sequences) if d is not None]
             if final is not None:
-                del self._streams[request_id]
+                del self._sent[request_id]
                 generated = any(seq.token_ids for seq in final.outputs)
-                stream.put(Update(deltas, final=final, error=final.error if not generated else None))
+                updates[request_id] = Update(deltas, final=final, error=final.error if not generated else None)
             elif deltas:
-                stream.put(Update(deltas))
+                updates[request_id] = Update(deltas)
+        return updates
+
+    def _deliver(self, updates: dict[str, Update], busy: bool) -> bool:
+        """Every replica's news into rank 0's streams (gathered there under data parallelism); on rank
+        0, whether any replica is still busy."""
+        news = None
+        if self.reporting:
+            kv = self.engine.scheduler.kv_cache
+            news = ReplicaNews(updates, busy, self.engine.scheduler.num_waiting, (kv.num_blocks, kv.num_free_blocks))
+        parts = gather_replicas(self.engine.parallel, news) if self.dp > 1 else [news]
+        if not self.serving:
+            return busy
+        for part in parts:
+            for request_id, update in part.updates.items():
+                self._hand_out(request_id, update)
+        self.num_waiting = sum(part.waiting for part in parts)
+        self.kv_blocks = [part.kv_blocks for part in parts]
+        return any(part.busy for part in parts)
+
+    def _hand_out(self, request_id: str, update: Update) -> None:
+        """Rank 0: one request's update to its stream; an ended request leaves the loop."""
+        stream = self._streams.get(request_id)
+        if update.final is not None or update.error is not None:
+            self._streams.pop(request_id, None)
+            if self.router is not None:
+                self.router.ended(request_id)
+            if update.final is not None and self.on_finished is not None:
+                self.on_finished(update.final)
+        if stream is not None:
+            stream.put(update)
 
 
-def _delta(stream: Stream, seq: CompletionOutput) -> SequenceDelta | None:
-    """What `seq` gained since the stream last handed it out. Text that could still turn out to be the
+def _delta(sent: _Sent, seq: CompletionOutput) -> SequenceDelta | None:
+    """What `seq` gained since it was last handed out. Text that could still turn out to be the
     start of a stop string is held back until the sequence ends (the stop string is then cut off)."""
     i = seq.index
-    if stream.done[i]:
+    if sent.done[i]:
         return None
     finished = seq.finish_reason is not None
-    hold = 0 if finished or not stream.params.stop else max(map(len, stream.params.stop)) - 1
-    text_end = max(stream.sent_text[i], len(seq.text) - hold)
-    tokens = list(seq.token_ids[stream.sent_tokens[i]:])
-    text = seq.text[stream.sent_text[i]:text_end]
+    hold = 0 if finished or not sent.params.stop else max(map(len, sent.params.stop)) - 1
+    text_end = max(sent.text[i], len(seq.text) - hold)
+    tokens = list(seq.token_ids[sent.tokens[i]:])
+    text = seq.text[sent.text[i]:text_end]
     if not tokens and not text and not finished:
         return None
-    logprobs = None if seq.logprobs is None else list(seq.logprobs[stream.sent_tokens[i]:])
-    stream.sent_tokens[i] += len(tokens)
-    stream.sent_text[i] = text_end
-    stream.done[i] = finished
+    logprobs = None if seq.logprobs is None else list(seq.logprobs[sent.tokens[i]:])
+    sent.tokens[i] += len(tokens)
+    sent.text[i] = text_end
+    sent.done[i] = finished
     return SequenceDelta(i, tokens, text, logprobs, seq.finish_reason, seq.stop_reason)

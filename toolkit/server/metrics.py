@@ -71,11 +71,17 @@ class ServerMetrics:
         return generate_latest(self.registry) + generate_latest(_Families(engine_snapshot))
 
 
-def engine_snapshot(engine) -> list:
-    """The engine's metrics now, and its KV cache use (run on the engine thread)."""
+def engine_snapshot(engine, kv_blocks: list[tuple[int, int]] | None = None, routed: list[int] | None = None) -> list:
+    """The engine's metrics now (run on the engine thread), with the KV cache use of every replica
+    (`kv_blocks`: each one's (all, free) blocks after the last step) or else of this engine, and
+    under data parallelism the requests routed to each replica. The other metrics are rank 0's
+    replica's."""
     kv = engine.scheduler.kv_cache
-    total, free = kv.num_blocks, kv.num_free_blocks
-    return [*engine.get_metrics(),
+    total, free = (sum(b[0] for b in kv_blocks), sum(b[1] for b in kv_blocks)) if kv_blocks else (
+        kv.num_blocks, kv.num_free_blocks)
+    per_replica = [engine_metric_types.Counter("toolkit:dp_requests_routed", {"replica": str(i)}, n)
+                   for i, n in enumerate(routed or [])]
+    return [*engine.get_metrics(), *per_replica,
             engine_metric_types.Gauge("toolkit:kv_cache_usage_perc", value=(total - free) / total),
             engine_metric_types.Gauge("toolkit:kv_cache_blocks", value=total),
             engine_metric_types.Gauge("toolkit:kv_cache_free_blocks", value=free)]

@@ -132,6 +132,7 @@ def generate(
         min=1, rich_help_panel=o.IO, help="Requests handed to the engine at a time (bounds memory on huge inputs).")] = 4096,
     model: o.ModelOpt = None,
     dtype: o.DtypeOpt = "auto",
+    quantization: o.QuantizationOpt = None,
     max_tokens: Annotated[int, typer.Option(min=1, rich_help_panel=o.SAMPLING, help="New tokens per completion.")] = 128,
     temperature: Annotated[float, typer.Option(
         rich_help_panel=o.SAMPLING, help="0 = greedy (OpenAI's API default is 1).")] = 0.0,
@@ -195,7 +196,7 @@ def generate(
         max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, eager=eager,
         attention_backend=attention_backend, device=device, tensor_parallel_size=tp, data_parallel_size=dp,
         cpu_linear=cpu_linear, enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp,
-        pp_layer_partition=pp_layer_partition,
+        pp_layer_partition=pp_layer_partition, quantization=quantization,
     )
     if prefill_instances or decode_instances or prefill_tp is not None:
         engine.update(prefill_instances=prefill_instances, decode_instances=decode_instances,

@@ -48,6 +48,7 @@ def serve(
         help="On SIGTERM or Ctrl-C, seconds in-flight requests get to finish before they are aborted.")] = 30.0,
     model: o.ModelOpt = None,
     dtype: o.DtypeOpt = "auto",
+    quantization: o.QuantizationOpt = None,
     block_size: o.BlockSizeOpt = 16,
     max_num_seqs: o.MaxNumSeqsOpt = 256,
     max_num_batched_tokens: o.MaxBatchedTokensOpt = 2048,
@@ -84,7 +85,7 @@ def serve(
         max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, eager=eager,
         attention_backend=attention_backend, device=device, tensor_parallel_size=tp, cpu_linear=cpu_linear,
         enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp, pp_layer_partition=pp_layer_partition,
-        data_parallel_size=dp)
+        data_parallel_size=dp, quantization=quantization)
     engine_args.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                                    kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                                    preemption_mode=preemption_mode))

@@ -74,6 +74,7 @@ FEATURES = {
     "preemption_mode='swap'": lambda c: c.preemption_mode == "swap",
     "enable_prefix_caching": lambda c: c.enable_prefix_caching,
     "max_num_batched_tokens": lambda c: True,  # chunked prefill: always on
+    "quantization='int8'": lambda c: c.quantization == "int8",
 }
 
 _DISAGG = "disaggregated prefill/decode"
@@ -86,6 +87,8 @@ NOT_COMBINED = {
                                                 "data_parallel_size, or run colocated",
     **{frozenset((_DISAGG, other)): _DISAGG_WHY.format(other)
        for other in ("pipeline_parallel_size", "enable_expert_parallel")},
+    frozenset(("quantization='int8'", "tensor_parallel_size")): "the tensor-parallel plan splits float weights, not "
+                                                                "int8 ones with their scales: drop one",
 }
 
 
@@ -148,6 +151,9 @@ class EngineConfig:
     cpu_linear: str = field(default_factory=envs.cpu_linear)
     # Compiled CPU steps run Inductor's C++ wrapper: no Python between the kernels of a step.
     cpp_wrapper: bool = field(default_factory=envs.cpp_wrapper)
+    # Weight-only quantization at load, from any checkpoint (toolkit/quantization.py): None, or "int8"
+    # (one float32 scale per output channel; activations stay in dtype). Halves bf16's weight bytes.
+    quantization: str | None = None
     # vLLM's dict (speculative/config.py): {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: dict | str | object | None = None
     # The KV memory hierarchy (toolkit/kv_hierarchy.py). Prefix caching shares computed blocks by name.
@@ -173,6 +179,15 @@ class EngineConfig:
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         self._check_vllm_fields()
+        from toolkit.quantization import QUANTIZATIONS
+
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization={self.quantization!r} is not supported: None or 'int8' (weight-only, "
+                             "quantized at load from the checkpoint's weights); quantized checkpoints (AWQ, GPTQ, "
+                             "FP8) are not implemented")
+        if self.quantization is not None and (self.prefill_tensor_parallel_size or 1) > 1:
+            raise ValueError("quantization='int8' does not combine with prefill_tensor_parallel_size > 1 yet: the "
+                             "tensor-parallel plan splits float weights, not int8 ones with their scales")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

@@ -9,10 +9,12 @@ applied from outside, as torchtitan's `parallelize_llama` does:
    dispatcher (parallel/expert_parallel.py); loading already read only this rank's experts.
 2. Merged linears: q/k/v and gate/up, which read the same input, become one matmul each
    (toolkit/merged_linear.py), where no TP plan shards them apart.
-3. The device backend's changes (toolkit/backends): on CPU the linears' weight layouts for the
+3. Weight-only int8 (quantization="int8"): every linear but the MoE routers quantized, per output
+   channel (toolkit/quantization.py).
+4. The device backend's changes (toolkit/backends): on CPU the linears' weight layouts for the
    kernels the machine chose.
-4. Compile: the whole step (embedding to logits) as one torch.compile'd graph, unless enforce_eager.
-5. The device backend's replay of decode steps: CUDA graphs on CUDA.
+5. Compile: the whole step (embedding to logits) as one torch.compile'd graph, unless enforce_eager.
+6. The device backend's replay of decode steps: CUDA graphs on CUDA.
 
 The result is a `Step`: StepInputs (toolkit/inputs.py) in, float32 logits of the sampled rows out
 (a pipeline stage, parallel/pipeline.py: the previous stage's hidden states in too, and before the
@@ -70,6 +72,10 @@ def apply(model: torch.nn.Module, kv_caches: list[torch.Tensor], config, backend
                        f"of {ep.num_experts} in {layers} layers")
     if tp is None:
         applied.append(f"{merge_linears(model)} linear groups merged")
+    if config.quantization == "int8":
+        from toolkit.quantization import quantize_linears
+
+        applied.append(f"{quantize_linears(model)} linears quantized to int8 (weight-only, per output channel)")
     applied += backend.prepare_model(model, tp)
     if config.enforce_eager:
         step = Step(model, kv_caches, compiled=False)

@@ -35,7 +35,6 @@ VLLM_ONLY = {
     "hf_token": (lambda v: v is None or v is False, _LOCAL_ONLY),
     "tokenizer_mode": (lambda v: v in ("auto", "hf"),
                        "must be 'auto': the tokenizer is the checkpoint's own, loaded by transformers' AutoTokenizer"),
-    "quantization": (_none, "quantized checkpoints and on-the-fly quantization are not implemented"),
     "kv_cache_dtype": (lambda v: v == "auto", "must be 'auto': the KV cache is kept in the model's dtype "
                                               "(fp8 KV caches are not implemented)"),
     "cpu_offload_gb": (_zero, "must be 0: offloading weights to CPU memory is not implemented"),

@@ -65,6 +65,30 @@ def test_greedy_chat_equals_transformers_on_the_same_dequantized_weights(path, g
     assert "Paris" in greedy[0].outputs[0].text
 
 
+def test_weight_only_int8_equals_transformers_on_the_same_int8_weights_and_keeps_the_answers(path, greedy):
+    """quantization="int8" (toolkit/quantization.py) on the real model: its greedy ids equal transformers'
+    holding the same de-quantized int8 weights (each linear's weight re-quantized; the tied embedding
+    kept apart in float, as the engine keeps it), and the answer to the first question still names Paris."""
+    import torch
+
+    from toolkit.quantization import quantize_int8
+
+    hf = dequantized_model(path)
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                q, scales = quantize_int8(module.weight)
+                module.weight = torch.nn.Parameter(q.float() * scales[:, None])  # unties the lm_head
+    int8 = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+               kv_cache_memory_bytes=KV_MEMORY, quantization="int8")
+    outs = int8.chat(CHATS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    want = hf_greedy(hf, [o.prompt_token_ids for o in outs], MAX_TOKENS)
+    for i, (out, theirs) in enumerate(zip(outs, want)):
+        got = out.outputs[0].token_ids
+        assert got == theirs, f"chat {i} diverges at {first_diff(got, theirs)}: {out.outputs[0].text!r}"
+    assert "Paris" in outs[0].outputs[0].text
+
+
 def test_im_end_ends_generation_by_default_and_is_not_in_the_text(llm, greedy):
     tokenizer = llm.get_tokenizer()
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -410,6 +410,7 @@ def _feature_kwargs(name: str, tmp_path) -> dict:
         "preemption_mode='swap'": dict(preemption_mode="swap", kv_offloading_size=0.01),
         "enable_prefix_caching": dict(enable_prefix_caching=True),
         "max_num_batched_tokens": dict(max_num_batched_tokens=16),
+        "quantization='int8'": dict(quantization="int8"),
     }[name]
 
 

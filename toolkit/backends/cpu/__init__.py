@@ -23,7 +23,8 @@ from toolkit import attention
 from toolkit.backends import Backend
 from toolkit.backends.cpu import kernels
 from toolkit.backends.cpu.experts import pack_experts
-from toolkit.backends.cpu.linear import LinearPlan, layer_shapes, onednn_native, pack_linears, plan_for
+from toolkit.backends.cpu.linear import (LinearPlan, layer_shapes, onednn_native, pack_int8_linears, pack_linears,
+                                         plan_for)
 
 log = logging.getLogger("toolkit")
 
@@ -82,17 +83,24 @@ class CPUBackend(Backend):
     def prepare_model(self, model, tp) -> list[str]:
         if tp is not None:
             return []  # DTensor weights: the TP plan's matmuls and collectives stay torch's
-        if not self.has_kernel("linear"):
+        if not self.has_kernel("linear") or self.config.cpu_linear == "torch":
             return []
-        self.linear_plan = plan_for(self.config.cpu_linear, self.config.dtype, layer_shapes(model))
+        changes = []
+        int8 = pack_int8_linears(model, self.config.dtype)
+        if int8:
+            changes.append(f"{int8} int8 linears packed for the panel kernel")
+        shapes = layer_shapes(model)
+        if not shapes:  # every linear is an int8 one
+            return changes
+        self.linear_plan = plan_for(self.config.cpu_linear, self.config.dtype, shapes)
         if self.linear_plan is None:
-            return []
+            return changes
         plan = self.linear_plan
         weight_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
         self.packed_linears = pack_linears(model, plan)
         both = f"; both layouts kept: {weight_bytes / 2**20:.0f} MiB more memory" if plan.panels and plan.onednn else ""
         log.info("CPU linears: %s (%s)%s", plan.describe(), plan.source, both)
-        changes = [f"{self.packed_linears} linears packed: {plan.describe()}{both}"]
+        changes.append(f"{self.packed_linears} linears packed: {plan.describe()}{both}")
         experts = pack_experts(model, plan)
         if experts:
             changes.append(f"the experts of {experts} MoE layers packed for the linear kernel, as the linears")

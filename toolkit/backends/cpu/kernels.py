@@ -2,6 +2,8 @@
 
 - `toolkit::linear_cpu(x, panels, onednn_weight, bias, out_features, small_m)` (csrc/linear.cpp):
   the linear, panel kernel for small row counts, oneDNN for the rest (toolkit/backends/cpu/linear.py).
+- `toolkit::linear_int8_cpu(x, panels, scales, bias, out_features, small_m)`: the panel kernel over int8 panels
+  with a float32 scale per output column (weight-only int8, toolkit/quantization.py).
 - `toolkit::pack_panels(weight, panels)`: a weight into the panel layout, once at load.
 - `toolkit::paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)` and
   `toolkit::write_kv_cpu(k, v, kv_cache, slot_mapping)` (csrc/attention.cpp): attention for every
@@ -69,12 +71,17 @@ def available(name: str) -> bool:
 def _register_fakes(name: str) -> None:
     if name == "linear":
         torch.library.register_fake("toolkit::linear_cpu")(_linear_fake)
+        torch.library.register_fake("toolkit::linear_int8_cpu")(_linear_int8_fake)
     elif name == "attention":
         torch.library.register_fake("toolkit::paged_attention_cpu")(_attention_fake)
         torch.library.register_fake("toolkit::write_kv_cpu")(_write_fake)
 
 
 def _linear_fake(x, panels, onednn_weight, bias, out_features, small_m):
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _linear_int8_fake(x, panels, scales, bias, out_features, small_m):
     return x.new_empty(x.shape[0], out_features)
 
 

@@ -13,6 +13,12 @@ kernel serves every M and no oneDNN weight is kept.
 
 A layer keeps the weight in each layout its choice uses: both where the panel kernel serves small M
 and oneDNN the rest (the engine logs the memory that costs), one otherwise.
+
+Weight-only int8 linears (toolkit/quantization.py) keep only int8 panels (`CPUInt8Linear`): the panel
+kernel up to INT8_SMALL_M rows, where it streams half of bf16's bytes; above, where the matmul is
+compute-bound, the op widens the weight to x's half dtype for oneDNN's native units, if the CPU has
+them (otherwise, and for float32 x, the panel kernel serves every M: it runs at the float32 FMA rate
+either way).
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ NEVER = 1 << 62  # small_m that sends every row count to the panel kernel
 ONEDNN_BATCH_HINT = 64  # the row count oneDNN lays its packed weight out for
 CANDIDATE_M = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 MARGIN = 0.95  # oneDNN must be 5% faster to take a row count: ties go to the one-copy layout
+# Int8 panels up to this many rows: the kernel widens each weight in registers, which costs float32
+# FMA-rate work per row, and the per-call widening for oneDNN pays back only once M is this large
+# (docs/benchmarks.md, weight-only int8).
+INT8_SMALL_M = 64
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,46 @@ def pack_linears(model: nn.Module, plan: LinearPlan) -> int:
              if isinstance(child, nn.Linear)]
     for parent, name, child in swaps:
         setattr(parent, name, CPULinear(child, plan))
+    return len(swaps)
+
+
+class CPUInt8Linear(nn.Module):
+    """An Int8Linear (toolkit/quantization.py) through `toolkit::linear_int8_cpu`: int8 panels, float32
+    scales and bias."""
+
+    def __init__(self, linear: nn.Module, small_m: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.float32_logits = linear.float32_logits
+        self.small_m = small_m
+        panels = _empty_on_huge_pages((-(-self.out_features // PANEL), self.in_features, PANEL), torch.int8)
+        torch.ops.toolkit.pack_panels(linear.qweight.contiguous(), panels)
+        self.register_buffer("panels", panels, persistent=False)
+        self.register_buffer("scales", linear.scales.contiguous(), persistent=False)
+        self.register_buffer("bias", linear.bias, persistent=False)
+        if hasattr(linear, "splits"):
+            self.splits = linear.splits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_logits:
+            x = x.float()
+        return torch.ops.toolkit.linear_int8_cpu.default(x, self.panels, self.scales, self.bias, self.out_features,
+                                                         self.small_m)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"int8 panels, small_m={self.small_m}"
+
+
+def pack_int8_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every Int8Linear in `model` by a CPUInt8Linear; returns how many."""
+    from toolkit.quantization import Int8Linear
+
+    small_m = INT8_SMALL_M if dtype != torch.float32 and onednn_native(dtype) else NEVER
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, Int8Linear)]
+    for parent, name, child in swaps:
+        setattr(parent, name, CPUInt8Linear(child, small_m))
     return len(swaps)
 
 

@@ -17,6 +17,11 @@
 // (x is widened once per call, out rounded to nearest even on store), or, with half weights, both are
 // float32: the lm_head's float32 logits (toolkit/models/logits.py), computed in float32 by the panel
 // kernel, or above small_m by oneDNN with each row's entries near its maximum recomputed in float32.
+//
+// Weight-only int8 (toolkit::linear_int8_cpu, toolkit/quantization.py): int8 panels in the plain order,
+// one float32 scale per output column applied to the float32 sums, any x dtype (out in x's): a quarter
+// of float32's bytes and half of bf16's for the same stream. Above small_m rows (where oneDNN has native
+// half units) the weight is widened to x's dtype for oneDNN instead.
 
 #include <algorithm>
 #include <cstdint>
@@ -29,7 +34,7 @@
 
 #include <omp.h>
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -72,11 +77,26 @@ inline void widen(const uint16_t* __restrict p, vec8& lo, vec8& hi) {
     std::memcpy(&hi, &b, sizeof hi);
 }
 
+inline void widen(const int8_t* __restrict p, vec8& lo, vec8& hi) {
+#ifdef __AVX2__
+    __m128i v;
+    std::memcpy(&v, p, sizeof v);
+    const __m256 l = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    const __m256 h = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    std::memcpy(&lo, &l, sizeof lo);
+    std::memcpy(&hi, &h, sizeof hi);
+#else
+    for (int j = 0; j < 8; ++j) lo[j] = float(p[j]), hi[j] = float(p[j + 8]);
+#endif
+}
+
+inline float to_float(int8_t v) { return float(v); }
+
 // R rows x 16 columns over all of K. Each accumulator is a chain of dependent FMAs; with few rows,
 // U interleaved partial sums over k keep >= 8 chains in flight (2 FMA pipes x 4 cycles of latency).
-template <int R, int U, typename W, typename O>
+template <int R, int U, typename W, typename B, typename O>
 void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel, int64_t K,
-          const W* __restrict bias, O* __restrict out, int64_t out_stride, int cols) {
+          const B* __restrict bias, const float* __restrict scale, O* __restrict out, int64_t out_stride, int cols) {
     vec8 acc[U][R][2] = {};
     // On AVX2-only CPUs, half panels read by 1-2 rows stream fastest with a prefetch 32 k-steps (1 KB)
     // ahead, one per 64-byte line (fp32 panels and more rows lost with it); on AVX-512 (Zen 4) the
@@ -110,38 +130,39 @@ void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel
             acc[0][r][1] += xb * w1;
         }
     }
-    float b[NR] = {};
+    float b[NR] = {}, s[NR];
     if (bias)
         for (int j = 0; j < cols; ++j) b[j] = to_float(bias[j]);
+    for (int j = 0; j < cols; ++j) s[j] = scale ? scale[j] : 1.f;
     for (int r = 0; r < R; ++r) {
         float row[NR];
         for (int u = 1; u < U; ++u) acc[0][r][0] += acc[u][r][0], acc[0][r][1] += acc[u][r][1];
         std::memcpy(row, &acc[0][r][0], sizeof(vec8));
         std::memcpy(row + 8, &acc[0][r][1], sizeof(vec8));
-        for (int j = 0; j < cols; ++j) put(out + r * out_stride + j, row[j] + b[j]);
+        for (int j = 0; j < cols; ++j) put(out + r * out_stride + j, row[j] * s[j] + b[j]);
     }
 }
 
-template <typename W, typename O>
-void panel_rows(const float* x, int64_t x_stride, const W* panel, int64_t K, const W* bias, O* out,
-                int64_t out_stride, int64_t M, int cols) {
+template <typename W, typename B, typename O>
+void panel_rows(const float* x, int64_t x_stride, const W* panel, int64_t K, const B* bias, const float* scale,
+                O* out, int64_t out_stride, int64_t M, int cols) {
     int64_t m = 0;
     for (; m + MR <= M; m += MR)
-        tile<MR, 1>(x + m * x_stride, x_stride, panel, K, bias, out + m * out_stride, out_stride, cols);
+        tile<MR, 1>(x + m * x_stride, x_stride, panel, K, bias, scale, out + m * out_stride, out_stride, cols);
     x += m * x_stride, out += m * out_stride;
     switch (M - m) {
-        case 1: tile<1, 4>(x, x_stride, panel, K, bias, out, out_stride, cols); break;
-        case 2: tile<2, 2>(x, x_stride, panel, K, bias, out, out_stride, cols); break;
-        case 3: tile<3, 2>(x, x_stride, panel, K, bias, out, out_stride, cols); break;
-        case 4: tile<4, 1>(x, x_stride, panel, K, bias, out, out_stride, cols); break;
-        case 5: tile<5, 1>(x, x_stride, panel, K, bias, out, out_stride, cols); break;
+        case 1: tile<1, 4>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 2: tile<2, 2>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 3: tile<3, 2>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 4: tile<4, 1>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 5: tile<5, 1>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
     }
 }
 
 // Threads split the panels, so W is read once per MC rows and each thread streams its own range.
-template <typename W, typename O>
-void linear(const float* x, int64_t x_stride, const W* panels, const W* bias, O* out, int64_t M, int64_t N,
-            int64_t K) {
+template <typename W, typename B, typename O>
+void linear(const float* x, int64_t x_stride, const W* panels, const B* bias, const float* scale, O* out, int64_t M,
+            int64_t N, int64_t K) {
     const int64_t P = (N + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t rows = std::min(MC, M - m0);
@@ -149,7 +170,7 @@ void linear(const float* x, int64_t x_stride, const W* panels, const W* bias, O*
         for (int64_t p = 0; p < P; ++p) {
             const int cols = (int)std::min<int64_t>(NR, N - p * NR);
             panel_rows(x + m0 * x_stride, x_stride, panels + p * K * NR, K, bias ? bias + p * NR : nullptr,
-                       out + m0 * N + p * NR, N, rows, cols);
+                       scale ? scale + p * NR : nullptr, out + m0 * N + p * NR, N, rows, cols);
         }
     }
 }
@@ -158,6 +179,7 @@ void linear(const float* x, int64_t x_stride, const W* panels, const W* bias, O*
 inline int slot(float*, int j) { return j; }
 inline int slot(f16*, int j) { return j; }
 inline int slot(uint16_t*, int j) { return (j % 8) * 2 + j / 8; }
+inline int slot(int8_t*, int j) { return j; }
 
 template <typename W>
 void pack(const W* w, int64_t N, int64_t K, W* panels) {
@@ -171,22 +193,22 @@ void pack(const W* w, int64_t N, int64_t K, W* panels) {
             }
 }
 
-// out [M, N] = x [M, K] (rows x_stride apart, W's dtype or float32 = O) @ W^T + bias; a half x is
-// widened to float32 first.
-template <typename W, typename O>
-void panel_linear(const void* x, int64_t x_stride, const W* panels, const W* bias, O* out, int64_t M, int64_t N,
-                  int64_t K) {
-    if (std::is_same<O, float>::value) {
-        linear(static_cast<const float*>(x), x_stride, panels, bias, out, M, N, K);
+// out [M, N] = (x [M, K] (rows x_stride apart, of type X) @ W^T) * scale + bias, out of type O; a half x
+// is widened to float32 first.
+template <typename X, typename W, typename B, typename O>
+void panel_linear(const void* x, int64_t x_stride, const W* panels, const B* bias, const float* scale, O* out,
+                  int64_t M, int64_t N, int64_t K) {
+    if (std::is_same<X, float>::value) {
+        linear(static_cast<const float*>(x), x_stride, panels, bias, scale, out, M, N, K);
         return;
     }
     std::unique_ptr<float[]> wide(new float[M * K]);  // every element is written
-    const W* xh = static_cast<const W*>(x);
+    const X* xh = static_cast<const X*>(x);
     // A decode step's few rows are not worth waking the other threads for.
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
     for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) wide[m * K + k] = to_float(xh[m * x_stride + k]);
-    linear(wide.get(), K, panels, bias, out, M, N, K);
+    linear(wide.get(), K, panels, bias, scale, out, M, N, K);
 }
 
 template <typename W>
@@ -194,11 +216,11 @@ void dispatch(const Tensor& x, const Tensor& panels, const std::optional<Tensor>
               int64_t N, int64_t K) {
     const W* b = bias ? static_cast<const W*>(bias->data_ptr()) : nullptr;
     if (x.scalar_type() == ScalarType::Float)
-        panel_linear(x.data_ptr(), x.stride(0), static_cast<const W*>(panels.data_ptr()), b,
-                     static_cast<float*>(out.data_ptr()), M, N, K);
+        panel_linear<float>(x.data_ptr(), x.stride(0), static_cast<const W*>(panels.data_ptr()), b, nullptr,
+                            static_cast<float*>(out.data_ptr()), M, N, K);
     else
-        panel_linear(x.data_ptr(), x.stride(0), static_cast<const W*>(panels.data_ptr()), b,
-                     static_cast<W*>(out.data_ptr()), M, N, K);
+        panel_linear<W>(x.data_ptr(), x.stride(0), static_cast<const W*>(panels.data_ptr()), b, nullptr,
+                        static_cast<W*>(out.data_ptr()), M, N, K);
 }
 
 Tensor onednn_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
@@ -303,15 +325,78 @@ Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> 
     return out;
 }
 
+// Above small_m rows a matmul is compute-bound: the int8 weight is widened to x's (half) dtype, row
+// major, for oneDNN's native half units, and the bias added after.
+template <typename X>
+Tensor int8_onednn(const Tensor& x, const Tensor& panels, const float* s, const float* b, int64_t M, int64_t N,
+                   int64_t K) {
+    Tensor w = empty_as(x, {N, K});
+    X* wd = static_cast<X*>(w.data_ptr());
+    const int8_t* q = static_cast<const int8_t*>(panels.data_ptr());
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        const int8_t* col = q + (n / NR) * K * NR + n % NR;
+        for (int64_t k = 0; k < K; ++k) put(wd + n * K + k, float(col[k * NR]) * s[n]);
+    }
+    Tensor out = onednn_linear(x, w, std::nullopt);
+    if (b) {
+        X* o = static_cast<X*>(out.data_ptr());
+#pragma omp parallel for schedule(static) if (M * N >= (1 << 16))
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) put(o + m * N + n, to_float(o[m * N + n]) + b[n]);
+    }
+    return out;
+}
+
+// out [M, N] (x's dtype) = (x @ Q^T) * scales + bias over int8 panels Q; scales and bias float32 [N]. Up
+// to small_m rows the panel kernel streams Q; above, a half x goes to oneDNN (int8_onednn).
+Tensor linear_int8_cpu(Tensor x, Tensor panels, Tensor scales, std::optional<Tensor> bias, int64_t out_features,
+                       int64_t small_m) {
+    check_cpu(x, "x");
+    STD_TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_int8_cpu: x must be [M, K] with unit stride in K, got ",
+                    shape(x));
+    const int64_t M = x.size(0), K = x.size(1), N = out_features;
+    STD_TORCH_CHECK(panels.scalar_type() == ScalarType::Char && panels.dim() == 3 && panels.size(1) == K &&
+                        panels.size(2) == NR && panels.is_contiguous() && 0 < N && N <= panels.size(0) * NR,
+                    "linear_int8_cpu: x ", shape(x), " and out_features ", N, " do not fit int8 panels ",
+                    shape(panels), " (contiguous [ceil(N / 16), K, 16])");
+    auto per_column = [N](const Tensor& t) {
+        return t.scalar_type() == ScalarType::Float && t.dim() == 1 && t.size(0) == N && t.is_contiguous();
+    };
+    STD_TORCH_CHECK(per_column(scales) && (!bias || per_column(*bias)),
+                    "linear_int8_cpu: scales and bias must be contiguous float32 [out_features] tensors");
+    const int8_t* q = static_cast<const int8_t*>(panels.data_ptr());
+    const float* s = static_cast<const float*>(scales.data_ptr());
+    const float* b = bias ? static_cast<const float*>(bias->data_ptr()) : nullptr;
+    const Kind kind = kind_of(x, "x");
+    if (M > small_m && kind != F32) {
+        Tensor xc = x.is_contiguous() ? x : torch::stable::contiguous(x);
+        return kind == BF16 ? int8_onednn<uint16_t>(xc, panels, s, b, M, N, K)
+                            : int8_onednn<f16>(xc, panels, s, b, M, N, K);
+    }
+    Tensor out = empty_as(x, {M, N});
+    switch (kind) {
+        case F32: panel_linear<float>(x.data_ptr(), x.stride(0), q, b, s, static_cast<float*>(out.data_ptr()), M, N, K); break;
+        case BF16:
+            panel_linear<uint16_t>(x.data_ptr(), x.stride(0), q, b, s, static_cast<uint16_t*>(out.data_ptr()), M, N, K);
+            break;
+        case F16: panel_linear<f16>(x.data_ptr(), x.stride(0), q, b, s, static_cast<f16*>(out.data_ptr()), M, N, K); break;
+    }
+    return out;
+}
+
 void pack_panels(Tensor weight, Tensor panels) {
     check_cpu(weight, "weight");
-    const Kind kind = kind_of(weight, "weight");
     STD_TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "pack_panels: weight must be a contiguous [N, K] tensor");
     const int64_t N = weight.size(0), K = weight.size(1);
     STD_TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (N + NR - 1) / NR && panels.size(1) == K &&
                         panels.size(2) == NR && panels.is_contiguous() && panels.scalar_type() == weight.scalar_type(),
                     "pack_panels: panels must be a contiguous [ceil(N / 16), K, 16] tensor in the weight's dtype");
-    switch (kind) {
+    if (weight.scalar_type() == ScalarType::Char) {
+        pack(static_cast<const int8_t*>(weight.data_ptr()), N, K, static_cast<int8_t*>(panels.data_ptr()));
+        return;
+    }
+    switch (kind_of(weight, "weight")) {
         case F32: pack(static_cast<const float*>(weight.data_ptr()), N, K, static_cast<float*>(panels.data_ptr())); break;
         case BF16:
             pack(static_cast<const uint16_t*>(weight.data_ptr()), N, K, static_cast<uint16_t*>(panels.data_ptr()));
@@ -325,11 +410,14 @@ void pack_panels(Tensor weight, Tensor panels) {
 STABLE_TORCH_LIBRARY_FRAGMENT(toolkit, m) {
     m.def("linear_cpu(Tensor x, Tensor? panels, Tensor? onednn_weight, Tensor? bias, int out_features, int small_m) "
           "-> Tensor");
+    m.def("linear_int8_cpu(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int out_features, int small_m) "
+          "-> Tensor");
     m.def("pack_panels(Tensor weight, Tensor(a!) panels) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(toolkit, CPU, m) {
     m.impl("linear_cpu", TORCH_BOX(&linear_cpu));
+    m.impl("linear_int8_cpu", TORCH_BOX(&linear_int8_cpu));
     m.impl("pack_panels", TORCH_BOX(&pack_panels));
 }
 

@@ -340,6 +340,8 @@ def _run(command: str, o: dict) -> None:
                                     max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
                                     speculative_config=variant, engine_args=engine_args)
                 res = {"kind": "ours", "startup": startup(system.label, lambda: system.start(warm))}
+                if (engine_args or {}).get("quantization") == "int8":
+                    res["weight_bytes"] = 1  # what a decode step reads per weight
                 with _counted(system, res, command):
                     first_raw[system.label] = _run_mode(command, system, requests, concurrency, phase, res)
                 if decode_req:
@@ -426,10 +428,11 @@ def _run(command: str, o: dict) -> None:
             res["roofline"] = {"useful_flops": flops, "gflops_per_s": flops / elapsed / 1e9,
                                "peak_fraction_pct": 100 * flops / elapsed / roof["flops_per_s"]}
         timing, beside = res.pop("decode_timing", None), res.pop("decode_bandwidth", None)
+        weight_bytes = res.pop("weight_bytes", None)
         d = decode_metrics(timing) if timing is not None else None
         if d is not None and d["decode_tokens_per_s"]:
             context = d["prompt_len"] + d["output_tokens"] / 2  # mean context over the decode steps
-            d["bytes_per_token"] = decode_bytes_per_token(mc, dtype_bytes(dtype), context)
+            d["bytes_per_token"] = decode_bytes_per_token(mc, dtype_bytes(dtype), context, weight_bytes)
             d.update(_bandwidth_fractions(d["bytes_per_token"], timing, beside, bandwidth))
             res["decode"] = d
 

@@ -181,12 +181,13 @@ def workload_flops(mc, requests) -> float:
     return sum(request_flops(mc, r.prompt_len, r.output_len) for r in requests)
 
 
-def decode_bytes_per_token(mc, dtype_bytes: int, context: float) -> float:
+def decode_bytes_per_token(mc, dtype_bytes: int, context: float, weight_bytes: float | None = None) -> float:
     """Bytes one batch-1 decode step reads: all weights but the embedding table (of a MoE model only
-    the experts the token is routed to), and the context's KV."""
+    the experts the token is routed to), `weight_bytes` each (default: the dtype's; 1 under weight-only
+    int8, whose scales and norms are noise), and the context's KV."""
     # Untied: the embedding table is only indexed (one row); tied: it is the LM head, read whole.
     unread = 0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size
-    weights = (mc.num_active_parameters - unread) * dtype_bytes
+    weights = (mc.num_active_parameters - unread) * (dtype_bytes if weight_bytes is None else weight_bytes)
     kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype_bytes * context
     return weights + kv
 

@@ -15,10 +15,9 @@ A layer keeps the weight in each layout its choice uses: both where the panel ke
 and oneDNN the rest (the engine logs the memory that costs), one otherwise.
 
 Weight-only int8 linears (toolkit/quantization.py) keep only int8 panels (`CPUInt8Linear`): the panel
-kernel up to INT8_SMALL_M rows, where it streams half of bf16's bytes; above, where the matmul is
-compute-bound, the op widens the weight to x's half dtype for oneDNN's native units, if the CPU has
-them (otherwise, and for float32 x, the panel kernel serves every M: it runs at the float32 FMA rate
-either way).
+kernel up to INT8_SMALL_M rows, where it streams half of bf16's bytes (a quarter of float32's); above,
+where the matmul is compute-bound, the op widens the weight to x's dtype for oneDNN, where oneDNN has
+native units for it (otherwise the panel kernel serves every M).
 """
 
 from __future__ import annotations
@@ -44,10 +43,10 @@ NEVER = 1 << 62  # small_m that sends every row count to the panel kernel
 ONEDNN_BATCH_HINT = 64  # the row count oneDNN lays its packed weight out for
 CANDIDATE_M = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 MARGIN = 0.95  # oneDNN must be 5% faster to take a row count: ties go to the one-copy layout
-# Int8 panels up to this many rows: the kernel widens each weight in registers, which costs float32
-# FMA-rate work per row, and the per-call widening for oneDNN pays back only once M is this large
-# (docs/benchmarks.md, weight-only int8).
-INT8_SMALL_M = 64
+# Int8 panels up to this many rows: the panel kernel widens each weight in registers and computes at the
+# float32 FMA rate; widening the whole weight for oneDNN each call pays back between 32 and 64 rows, in
+# float32 and bf16 alike (docs/benchmarks.md, weight-only int8).
+INT8_SMALL_M = 48
 
 
 @dataclass(frozen=True)
@@ -261,7 +260,7 @@ def pack_int8_linears(model: nn.Module, dtype: torch.dtype) -> int:
     """Replace every Int8Linear in `model` by a CPUInt8Linear; returns how many."""
     from toolkit.quantization import Int8Linear
 
-    small_m = INT8_SMALL_M if dtype != torch.float32 and onednn_native(dtype) else NEVER
+    small_m = INT8_SMALL_M if onednn_native(dtype) else NEVER
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, Int8Linear)]
     for parent, name, child in swaps:

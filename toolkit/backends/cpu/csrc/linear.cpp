@@ -21,7 +21,7 @@
 // Weight-only int8 (toolkit::linear_int8_cpu, toolkit/quantization.py): int8 panels in the plain order,
 // one float32 scale per output column applied to the float32 sums, any x dtype (out in x's): a quarter
 // of float32's bytes and half of bf16's for the same stream. Above small_m rows (where oneDNN has native
-// half units) the weight is widened to x's dtype for oneDNN instead.
+// units for x's dtype) the weight is widened to x's dtype for oneDNN instead.
 
 #include <algorithm>
 #include <cstdint>
@@ -79,10 +79,9 @@ inline void widen(const uint16_t* __restrict p, vec8& lo, vec8& hi) {
 
 inline void widen(const int8_t* __restrict p, vec8& lo, vec8& hi) {
 #ifdef __AVX2__
-    __m128i v;
-    std::memcpy(&v, p, sizeof v);
-    const __m256 l = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-    const __m256 h = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    // Two 8-byte loads, each folded into its sign extension (vpmovsxbd ymm, m64).
+    const __m256 l = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    const __m256 h = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
     std::memcpy(&lo, &l, sizeof lo);
     std::memcpy(&hi, &h, sizeof hi);
 #else
@@ -325,8 +324,8 @@ Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> 
     return out;
 }
 
-// Above small_m rows a matmul is compute-bound: the int8 weight is widened to x's (half) dtype, row
-// major, for oneDNN's native half units, and the bias added after.
+// Above small_m rows a matmul is compute-bound: the int8 weight is widened to x's dtype, row major, for
+// oneDNN's native units, and the bias added after.
 template <typename X>
 Tensor int8_onednn(const Tensor& x, const Tensor& panels, const float* s, const float* b, int64_t M, int64_t N,
                    int64_t K) {
@@ -349,7 +348,7 @@ Tensor int8_onednn(const Tensor& x, const Tensor& panels, const float* s, const 
 }
 
 // out [M, N] (x's dtype) = (x @ Q^T) * scales + bias over int8 panels Q; scales and bias float32 [N]. Up
-// to small_m rows the panel kernel streams Q; above, a half x goes to oneDNN (int8_onednn).
+// to small_m rows the panel kernel streams Q; above, oneDNN computes with Q widened (int8_onednn).
 Tensor linear_int8_cpu(Tensor x, Tensor panels, Tensor scales, std::optional<Tensor> bias, int64_t out_features,
                        int64_t small_m) {
     check_cpu(x, "x");
@@ -369,10 +368,13 @@ Tensor linear_int8_cpu(Tensor x, Tensor panels, Tensor scales, std::optional<Ten
     const float* s = static_cast<const float*>(scales.data_ptr());
     const float* b = bias ? static_cast<const float*>(bias->data_ptr()) : nullptr;
     const Kind kind = kind_of(x, "x");
-    if (M > small_m && kind != F32) {
+    if (M > small_m) {
         Tensor xc = x.is_contiguous() ? x : torch::stable::contiguous(x);
-        return kind == BF16 ? int8_onednn<uint16_t>(xc, panels, s, b, M, N, K)
-                            : int8_onednn<f16>(xc, panels, s, b, M, N, K);
+        switch (kind) {
+            case F32: return int8_onednn<float>(xc, panels, s, b, M, N, K);
+            case BF16: return int8_onednn<uint16_t>(xc, panels, s, b, M, N, K);
+            case F16: return int8_onednn<f16>(xc, panels, s, b, M, N, K);
+        }
     }
     Tensor out = empty_as(x, {M, N});
     switch (kind) {

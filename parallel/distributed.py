@@ -16,8 +16,10 @@ or with pipeline stages every rank of one stage in every replica (dp x tp of tha
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -221,6 +223,7 @@ def _init_process_group(device: torch.device, world: int) -> None:
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=dist_timeout())
+    atexit.register(shutdown)  # a script that never calls shutdown() still leaves the groups alive
 
 
 def _log_rank0_only() -> None:
@@ -229,7 +232,19 @@ def _log_rank0_only() -> None:
         logging.getLogger("toolkit").setLevel(logging.ERROR)
 
 
+# Long enough for gloo's worker threads to take the GIL once each (they need it for microseconds).
+_RELEASE_S = 0.05
+
+
 def shutdown() -> None:
-    """Leave the process group (at the end of a job; safe to call when none was joined)."""
+    """Leave the process group (at the end of a job; safe to call when none was joined, and called at
+    exit by itself).
+
+    Then wait a moment with the GIL released: a gloo worker thread frees each finished collective's
+    tensors after the caller's wait has returned, and freeing a tensor Python also held takes the GIL.
+    A thread still waiting for it when the interpreter tears down is made to exit inside a C++
+    destructor, which aborts the process ("terminate called without an active exception"), after the
+    job's work was done; a job that built several engines in turn hit it about one run in two."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(_RELEASE_S)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -74,17 +73,11 @@ def main() -> None:
         })
         del llm
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
-    # Leave the process group before the interpreter tears down: gloo's threads, destroyed still
-    # running at exit, abort the process ("terminate called without an active exception").
+    # Leave the process group before the interpreter tears down (toolkit.parallel.shutdown says why);
+    # every launch then ends through the interpreter's own teardown, as a user's script does.
     from toolkit.parallel import shutdown
 
     shutdown()
-    # The report is written and the group left; end here rather than in the interpreter's teardown, where
-    # a rank of the tp=2 engines-in-turn launch still aborts now and then with the message above (both
-    # reports complete: a teardown problem, not the tokens'; open, see the note of 2026-12-03).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def parse_args() -> argparse.Namespace:

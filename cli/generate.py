@@ -177,6 +177,7 @@ def generate(
     prefill_instances: o.PrefillInstancesOpt = 0,
     decode_instances: o.DecodeInstancesOpt = 0,
     prefill_tp: o.PrefillTensorParallelOpt = None,
+    prefill_backlog: o.PrefillBacklogOpt = 64,
     verbose: o.VerboseOpt = False,
 ):
     """Generate completions for one prompt or a file of them.
@@ -200,7 +201,7 @@ def generate(
     )
     if prefill_instances or decode_instances or prefill_tp is not None:
         engine.update(prefill_instances=prefill_instances, decode_instances=decode_instances,
-                      prefill_tensor_parallel_size=prefill_tp)
+                      prefill_tensor_parallel_size=prefill_tp, prefill_backlog=prefill_backlog)
     engine.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                               kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                               preemption_mode=preemption_mode))

@@ -167,6 +167,10 @@ DecodeInstancesOpt = Annotated[int, typer.Option(
 PrefillTensorParallelOpt = Annotated[Optional[int], typer.Option(
     "--prefill-tp", "--prefill-tensor-parallel-size", min=1, rich_help_panel=PARALLEL, show_default=False,
     help="Processes per prefill instance, when not --tp (the KV heads are re-split on the way).")]
+PrefillBacklogOpt = Annotated[int, typer.Option(
+    "--prefill-backlog", min=1, rich_help_panel=PARALLEL,
+    help="Requests a prefill instance holds at once, computing or with their KV waiting for the decode side; "
+         "the next wait for room, so that staged KV stays bounded.")]
 ExpertParallelOpt = Annotated[bool, typer.Option(
     "--enable-expert-parallel", rich_help_panel=PARALLEL,
     help="MoE models: split the experts over all tp x dp processes (all-to-all) instead of splitting each "

@@ -457,6 +457,11 @@ class KVSender(_KVWorker):
             self._last_done = time.monotonic()
         return len(self._inflight)
 
+    def staged_requests(self) -> int:
+        """Requests whose staged KV the decode side has not taken yet (after retiring what it has)."""
+        self.poll()
+        return len({rid for _, _, rid, _, _ in self._inflight})
+
     def stalled(self) -> None:
         if not self._inflight:
             self._last_done = time.monotonic()

@@ -35,6 +35,8 @@ class HandoffStats:
     blocks: int = 0
     failed: int = 0  # prefill side: requests that ended without KV to send
     dropped: int = 0  # decode side: arrived KV received and thrown away (the request ended first)
+    max_backlog: int = 0  # prefill side: the most requests held at once (computing or staged), seen by its first rank
+    door_waits: int = 0  # prefill side: steps at which requests waited for room (prefill_backlog)
 
 
 @dataclass

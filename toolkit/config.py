@@ -141,6 +141,9 @@ class EngineConfig:
     prefill_instances: int = 0
     decode_instances: int = 0
     prefill_tensor_parallel_size: int | None = None
+    # The most requests a prefill instance holds at once: computing, or their KV staged until the decode
+    # side has taken it. Past it the next ones wait, so the staged KV (host memory) stays bounded.
+    prefill_backlog: int = 64
     load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
     compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
     cuda_graphs: bool = True  # on CUDA with the Triton backend, replay captured graphs for decode-only steps
@@ -244,6 +247,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.prefill_backlog, numbers.Integral) or isinstance(self.prefill_backlog, bool) \
+                or self.prefill_backlog < 1:
+            raise ValueError(f"prefill_backlog must be an integer >= 1, got {self.prefill_backlog!r}")
         ptp = self.prefill_tensor_parallel_size
         if ptp is not None and (not isinstance(ptp, numbers.Integral) or isinstance(ptp, bool) or ptp < 1):
             raise ValueError(f"prefill_tensor_parallel_size must be an integer >= 1, got {ptp!r}")

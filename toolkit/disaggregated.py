@@ -7,7 +7,9 @@ Every rank is fed every request, in the same order (SPMD, as under TP), and the 
 - The prefill instance runs the prompt but its last token, with one thrown-away sampled token
   (`PrefillRole`): after the step that ends it, its blocks' KV goes to the decode instance's ranks
   (scheduling/disaggregated.py plans it, parallel/disaggregated.py's KVSender sends it) and the
-  decode instance's first rank is told (READY).
+  decode instance's first rank is told (READY). It holds at most `prefill_backlog` requests at once,
+  computing or staged until the decode side takes their KV; the next wait at its door (the
+  instance's first rank counts and tells the others, whose sends may finish at other times).
 - The decode instance (`DecodeRole`) adds the request when READY comes, holding that KV in its
   connector: the scheduler allocates its blocks, the step's plan receives the KV into them, and the
   forward computes the last prompt token and samples the first output token, with the request's own
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -122,8 +125,10 @@ class _Role:
 
 
 class PrefillRole(_Role):
-    def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int):
+    def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64):
         super().__init__(disagg)
+        self.backlog = backlog
+        self._door: deque = deque()  # Engine._add_request's arguments of requests waiting for room
         self.connector = PrefillConnector(block_size)
         self.worker = KVSender(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__,
                                self.waiter)
@@ -143,7 +148,27 @@ class PrefillRole(_Role):
         self._peers[request_id] = self.disagg.instances("decode")[d]
         # All but the last prompt token, one greedy token that nobody reads; it always ends by length.
         prefill = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        engine._add_request(request_id, prompt_token_ids[:-1], prefill, None, priority, arrival_time, cache_salt)
+        self._door.append((request_id, prompt_token_ids[:-1], prefill, None, priority, arrival_time, cache_salt))
+
+    def before_step(self, engine) -> None:
+        """Let in waiting requests while the instance holds fewer than `backlog` (in the engine, or
+        staged for sending)."""
+        if not self._door:
+            return
+        room = None
+        if self.disagg.tp_rank == 0:
+            held = len(engine.outputs.groups) + self.worker.staged_requests()
+            room = max(0, self.backlog - held)
+            stats = self.connector.handoff_stats
+            stats.max_backlog = max(stats.max_backlog, held + min(room, len(self._door)))
+        if self.disagg.instance.tp > 1:
+            box = [room]
+            dist.broadcast_object_list(box, src=self.disagg.instance.ranks[0], group=self.disagg.instance_group)
+            room = box[0]
+        if room < len(self._door):
+            self.connector.handoff_stats.door_waits += 1
+        for _ in range(min(room, len(self._door))):
+            engine._add_request(*self._door.popleft())
 
     def after_step(self, engine, finished: list) -> list:
         for out in finished:  # the handoff requests' own outputs are nobody's
@@ -182,7 +207,7 @@ class PrefillRole(_Role):
         self.worker.poll()
 
     def has_unfinished(self, engine, busy: bool) -> bool:
-        return busy or self.worker.poll() > 0
+        return busy or self.worker.poll() > 0 or bool(self._door)
 
     def serves(self, request_id: str) -> bool:
         return False  # a prefill instance returns no output
@@ -338,9 +363,10 @@ def _handoff(prompt_token_ids: list[int], params: SamplingParams) -> bool:
     return len(prompt_token_ids) > 1 and params.prompt_logprobs is None
 
 
-def build_role(disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int) -> _Role:
-    cls = PrefillRole if disagg.role == "prefill" else DecodeRole
-    return cls(disagg, block_size, kv_caches, num_kv_heads)
+def build_role(disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64) -> _Role:
+    if disagg.role == "prefill":
+        return PrefillRole(disagg, block_size, kv_caches, num_kv_heads, backlog)
+    return DecodeRole(disagg, block_size, kv_caches, num_kv_heads)
 
 
 def gather_decoded(disagg: Disaggregation, obj) -> list | None:

@@ -14,7 +14,8 @@ disaggregated mode against the colocated single process.
   sampling (n=2, logprobs) equals the single process's, and afterwards every KV block on every rank
   is free and no request is left. The same launch runs 1P+1D layouts with another feature on llama3
   (`composed`, half of them with chunked prefill): n-gram and draft-model speculation on the decode
-  instance, against the single process with the same speculative_config; the CPU tier, the disk tier
+  instance (its prefill instance holding one request at a time: prefill_backlog), against the single
+  process with the same speculative_config; the CPU tier, the disk tier
   and swap preemption beside the handoff under a small decode cache (the decode side finds the
   repeated prompts' prefixes in its tier, swaps requests out and back in), every block free after.
 - 1 prefill + 1 decode as two "hosts" in two network namespaces joined by a veth pair, compiled.
@@ -126,10 +127,11 @@ def composed(case) -> list[dict]:
     chunked prefill: speculative decoding on the decode instance (n-gram; a draft model, which computes
     its own prefix there); the CPU tier, the disk tier and swap preemption beside the handoff, under a
     6-block device cache on the decode instance (5 for swap): the sampled call repeats the greedy
-    call's prompts, so the decode side finds their prefixes in its tier."""
+    call's prompts, so the decode side finds their prefixes in its tier. The n-gram layout's prefill
+    instance (tp=2) holds one request at a time (prefill_backlog=1): the rest wait at its door."""
     llama = str(case.paths["llama3"])
     small = {**P2_D1, "model": llama, "kv_cache_memory_bytes": 6 * BLOCK}
-    return [{**P2_D1, "model": llama, "speculative_config": NGRAM},
+    return [{**P2_D1, "model": llama, "speculative_config": NGRAM, "prefill_backlog": 1},
             {**P1_D2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
             {**small, "kv_offloading_size": TIER_GIB},
             {**small, **UNCHUNKED, "kv_disk_cache_dir": str(case.root / "disk"), "kv_disk_cache_size": 0.01},
@@ -227,6 +229,9 @@ def check_composed(layout: dict, runs: list[dict], roles: list[dict], where: str
             assert spec is None or spec["num_drafts"] > 0, (where, role)
             drafts_here = layout["speculative_config"]["method"] == "draft_model" and decode_first
             assert run["draft_runner"] == drafts_here, (where, role)
+        if "prefill_backlog" in layout and role["role"] == "prefill" and role["tp_rank"] == 0:
+            handoff = role["handoff"]  # every request fed at once: most waited, and never more were held
+            assert handoff["door_waits"] > 0 and handoff["max_backlog"] == layout["prefill_backlog"], (where, handoff)
         tiers = run["kv_tiers"]
         if role["role"] == "decode" and "kv_cache_memory_bytes" in layout:
             assert run["kv_blocks"] == layout["kv_cache_memory_bytes"] // BLOCK, (where, role)

@@ -229,18 +229,25 @@ class Disaggregation:
         return f"rank {rank} ({inst.role} instance {inst.index}, TP rank {rank - inst.ranks.start} of {inst.tp})"
 
 
-def setup_disaggregated(layout: DisaggLayout, device, model_config):
+def setup_disaggregated(layout: DisaggLayout, device, model_config, expert_parallel: bool = False):
     """Join the process group as one rank of `layout` (checked against the world, and each role's TP
     size against the model, before anything is waited for); returns (ParallelState of this rank's
-    instance: a (1, 1, tp) mesh of its ranks, Disaggregation)."""
+    instance: a (1, 1, tp) mesh of its ranks, Disaggregation). With `expert_parallel` (a MoE model)
+    each instance splits its experts over its own ranks, as a colocated TP group does."""
     from toolkit.parallel.distributed import (GATHER_TIMEOUT, MESH_DIM_NAMES, ParallelState, _init_process_group,
                                               _log_rank0_only, launched_world_size, local_device)
+    from toolkit.parallel.expert_parallel import ExpertParallel, check_expert_parallel, num_experts
     from toolkit.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
     from torch.distributed.device_mesh import DeviceMesh
 
+    if expert_parallel and num_experts(model_config) is None:
+        log.warning("enable_expert_parallel: %s has no routed experts; ignored", getattr(model_config, "path", "the model"))
+        expert_parallel = False
     for role, tp in (("prefill", layout.prefill_size), ("decode", layout.decode_tp)):
         try:
-            check_tensor_parallel(model_config, tp)
+            check_tensor_parallel(model_config, tp, expert_parallel=expert_parallel)
+            if expert_parallel:
+                check_expert_parallel(model_config, tp)
         except ParallelConfigError as e:
             raise ParallelConfigError(f"{role} instances: {e}") from None
     world = launched_world_size()
@@ -249,18 +256,24 @@ def setup_disaggregated(layout: DisaggLayout, device, model_config):
     _init_process_group(device, world)
     rank = dist.get_rank()
     mine = layout.instance_of(rank)
-    mesh = instance_group = None
+    mesh = instance_group = ep_group = None
     # Every rank takes part in creating every instance's groups, in the same order.
     for inst in layout.instances:
         m = DeviceMesh(device.type, torch.tensor(list(inst.ranks)).view(1, 1, inst.tp), mesh_dim_names=MESH_DIM_NAMES)
         g = dist.new_group(list(inst.ranks), backend="gloo", timeout=dist_timeout())
+        e = dist.new_group(list(inst.ranks), backend="gloo" if device.type == "cpu" else None,
+                           timeout=dist_timeout()) if expert_parallel else None
         if inst == mine:
-            mesh, instance_group = m, g
+            mesh, instance_group, ep_group = m, g, e
     control = dist.new_group(backend="gloo", timeout=dist_timeout())
     gather = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
     _log_rank0_only()
-    tp = TensorParallel(mesh["tp"], model_config, device) if mine.tp > 1 else None
-    state = ParallelState(mesh, device, tp, None, dims=ParallelDims(tp=mine.tp))  # one instance's degrees
+    tp = TensorParallel(mesh["tp"], model_config, device, expert_parallel=expert_parallel) if mine.tp > 1 else None
+    dims = ParallelDims(tp=mine.tp, expert_parallel=expert_parallel)  # one instance's degrees
+    state = ParallelState(mesh, device, tp, None, dims=dims)
+    if expert_parallel:
+        state.ep = ExpertParallel(model_config, tp_group=tp.group if tp else None, tp_rank=rank - mine.ranks.start,
+                                  tp_size=mine.tp, group=ep_group)
     log.info("disaggregated: %d prefill instance(s) x %d ranks + %d decode instance(s) x %d ranks, backend %s",
              layout.prefill_instances, layout.prefill_size, layout.decode_instances, layout.decode_tp,
              dist.get_backend())

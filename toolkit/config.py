@@ -78,15 +78,16 @@ FEATURES = {
 }
 
 _DISAGG = "disaggregated prefill/decode"
-_DISAGG_WHY = ("an instance of a disaggregated job is one tensor-parallel group, which does not run {} yet: "
-               "drop it, or run colocated (prefill_instances=0, decode_instances=0)")
+_DISAGG_WHY = ("an instance of a disaggregated job is one tensor-parallel group (with expert parallelism over "
+               "its ranks, for MoE models), which does not run {} yet: drop it, or run colocated "
+               "(prefill_instances=0, decode_instances=0)")
 # Every pair of FEATURES that does not combine yet, and why; every other pair does (one engine core:
 # docs/architecture.md, "What combines", is the same table).
 NOT_COMBINED = {
     frozenset((_DISAGG, "data_parallel_size")): "the prefill and decode instances are the replicas: drop "
                                                 "data_parallel_size, or run colocated",
     **{frozenset((_DISAGG, other)): _DISAGG_WHY.format(other)
-       for other in ("pipeline_parallel_size", "enable_expert_parallel")},
+       for other in ("pipeline_parallel_size",)},
     frozenset(("quantization='int8'", "tensor_parallel_size")): "the tensor-parallel plan splits float weights, not "
                                                                 "int8 ones with their scales: drop one",
 }

@@ -55,6 +55,7 @@ def main() -> None:
                 "compiled_graphs": stats["graphs"],
                 "spec_decode": stats.get("spec_decode"), "draft_runner": stats.get("draft_runner") is not None,
                 "kv_tiers": stats.get("kv_tiers"), "preemptions": stats["preemptions"],
+                "expert_parallel": stats.get("expert_parallel"),
                 "metrics": sorted({m.name for m in llm.get_metrics() if m.name.startswith("toolkit:disagg")}),
             })
             del llm, engine

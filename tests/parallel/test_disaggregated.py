@@ -128,10 +128,13 @@ def composed(case) -> list[dict]:
     its own prefix there); the CPU tier, the disk tier and swap preemption beside the handoff, under a
     6-block device cache on the decode instance (5 for swap): the sampled call repeats the greedy
     call's prompts, so the decode side finds their prefixes in its tier. The n-gram layout's prefill
-    instance (tp=2) holds one request at a time (prefill_backlog=1): the rest wait at its door."""
+    instance (tp=2) holds one request at a time (prefill_backlog=1): the rest wait at its door. A MoE
+    model (mixtral) with expert parallelism: the TP-2 decode instance splits the experts over its two
+    ranks (all-to-all), the TP-1 prefill instance holds them all."""
     llama = str(case.paths["llama3"])
     small = {**P2_D1, "model": llama, "kv_cache_memory_bytes": 6 * BLOCK}
     return [{**P2_D1, "model": llama, "speculative_config": NGRAM, "prefill_backlog": 1},
+            {**P1_D2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
             {**P1_D2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
             {**small, "kv_offloading_size": TIER_GIB},
             {**small, **UNCHUNKED, "kv_disk_cache_dir": str(case.root / "disk"), "kv_disk_cache_size": 0.01},
@@ -155,7 +158,7 @@ def oracle_key(family: str, layout: dict) -> str:
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     root = tmp_path_factory.mktemp("disaggregated")
-    paths = {f: write_checkpoint(root / f, f, seed=1) for f in FAMILIES}
+    paths = {f: write_checkpoint(root / f, f, seed=1) for f in (*FAMILIES, "mixtral")}
     # Random prompts, a one-token prompt (nothing to hand over), prompts whose handed-over part (all
     # but the last token) ends exactly at a block's end and one token past it, and one that shares
     # its first block with another (a prefix-cache hit on the prefill side, in a later step).
@@ -165,7 +168,8 @@ def case(tmp_path_factory):
     drafted = {"method": "draft_model", "model": str(write_perturbed_draft(paths["llama3"], root / "draft")),
                "num_speculative_tokens": 2}
     expected, sampled = {}, {}
-    variants = [(f, {}) for f in FAMILIES] + [("llama3", {"speculative_config": s}) for s in (NGRAM, drafted)]
+    variants = [(f, {}) for f in (*FAMILIES, "mixtral")] + [("llama3", {"speculative_config": s})
+                                                             for s in (NGRAM, drafted)]
     for family, extra in variants:
         key = oracle_key(family, extra)
         expected[key], llm = oracle(paths[family], prompts, **extra)
@@ -188,7 +192,7 @@ def engine_args(case, layouts, *flags: str, families=FAMILIES) -> list[str]:
 def check_runs(case, reports: list[dict], runs: int) -> None:
     assert all(len(r["runs"]) == runs for r in reports)
     for i, run in enumerate(reports[0]["runs"]):
-        family = next(f for f in FAMILIES if str(case.paths[f]) == run["model"])
+        family = next(f for f, path in case.paths.items() if str(path) == run["model"])
         where = f"{run['layout']} {family}"
         key = oracle_key(family, run["layout"])
         assert run["tokens"] == case.expected[key], where
@@ -229,6 +233,10 @@ def check_composed(layout: dict, runs: list[dict], roles: list[dict], where: str
             assert spec is None or spec["num_drafts"] > 0, (where, role)
             drafts_here = layout["speculative_config"]["method"] == "draft_model" and decode_first
             assert run["draft_runner"] == drafts_here, (where, role)
+        if layout.get("enable_expert_parallel"):  # each instance's experts over its own ranks
+            ep, size = run["expert_parallel"], role["tp"]
+            assert ep["ranks"] == size and ep["experts"] == [8 // size * role["tp_rank"], 8 // size * (role["tp_rank"] + 1)]
+            assert ep["rows_received"] > 0, (where, role, ep)
         if "prefill_backlog" in layout and role["role"] == "prefill" and role["tp_rank"] == 0:
             handoff = role["handoff"]  # every request fed at once: most waited, and never more were held
             assert handoff["door_waits"] > 0 and handoff["max_backlog"] == layout["prefill_backlog"], (where, handoff)

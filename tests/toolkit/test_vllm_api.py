@@ -246,7 +246,7 @@ def test_vllms_keywords_are_accepted_and_mapped(ckpt, caplog):
     (dict(tokenizer_mode="slow"), r"tokenizer_mode='slow' is not supported"),
     (dict(pipeline_parallel_size=0), r"pipeline_parallel_size must be an integer >= 1"),
     (dict(prefill_instances=1, decode_instances=1, pipeline_parallel_size=2, enable_expert_parallel=True),
-     r"disaggregated prefill/decode does not combine with pipeline_parallel_size, enable_expert_parallel yet"),
+     r"disaggregated prefill/decode does not combine with pipeline_parallel_size yet"),
     (dict(pipeline_parallel_size=2, pp_layer_partition=[1, 1]), r"pp_layer_partition must be a string"),
     (dict(prefill_instances=1), r"prefill_instances 1 and decode_instances 0: disaggregation needs at least one"),
     (dict(prefill_instances=-1, decode_instances=1), r"prefill_instances must be an integer >= 0"),

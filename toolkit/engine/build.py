@@ -101,7 +101,7 @@ def _join(config: EngineConfig, mc):
 
         layout = DisaggLayout(config.prefill_instances, config.decode_instances, config.tensor_parallel_size,
                               config.prefill_tensor_parallel_size)
-        parallel, disagg = setup_disaggregated(layout, config.device, mc)
+        parallel, disagg = setup_disaggregated(layout, config.device, mc, config.enable_expert_parallel)
         config = dataclasses.replace(config, tensor_parallel_size=disagg.instance.tp)
         if disagg.role == "prefill":  # its one thrown-away token needs no drafts: speculation is the decode side's
             config = dataclasses.replace(config, speculative_config=None)

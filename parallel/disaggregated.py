@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -314,6 +315,17 @@ class SendWaiter:
                 future.set_exception(exc)
 
 
+@contextmanager
+def naming_peer(disagg: Disaggregation, what: str, peer: int):
+    """A failed send or receive (gloo's error, which names an address) as one naming both ranks and
+    their roles: `what` the peer, e.g. "sending request 7's KV to"."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as exc:
+        raise RuntimeError(f"{disagg.describe(disagg.rank)}: {what} {disagg.describe(peer)} failed (hung or dead?): "
+                           f"{exc}") from exc
+
+
 READY, HEARTBEAT, DONE = 1, 2, 3  # message kinds: [kind, a, b] in one int64 tensor
 HEARTBEAT_S = 2.0
 
@@ -331,14 +343,17 @@ class ControlPlane:
         self.group = disagg.control_group
         self.waiter = waiter
         self._recvs: dict[int, tuple] = {}  # source rank -> (work, buffer)
-        self._sends: deque = deque()  # (future, message)
+        self._sends: deque = deque()  # (future, message, destination)
         self._last_heartbeat = 0.0
 
     def send(self, dst: int, kind: int, a: int = 0, b: int = 0) -> None:
         while self._sends and self._sends[0][0].done():
-            self._sends.popleft()[0].result()
+            future, _, to = self._sends.popleft()
+            with naming_peer(self.disagg, "a control message to", to):
+                future.result()
         message = torch.tensor([kind, a, b], dtype=torch.int64)
-        self._sends.append((self.waiter.watch(dist.isend(message, dst=dst, group=self.group)), message))
+        with naming_peer(self.disagg, "a control message to", dst):
+            self._sends.append((self.waiter.watch(dist.isend(message, dst=dst, group=self.group)), message, dst))
 
     def heartbeat(self) -> None:
         now = time.monotonic()
@@ -355,7 +370,8 @@ class ControlPlane:
                 work, buf = self._recvs.get(src) or self._post(src)
                 if buf[0].item() == 0:  # no kind yet: not arrived (gloo's work says so only once waited on)
                     break
-                work.wait()  # the rest of the message, if still on its way
+                with naming_peer(self.disagg, "a control message from", src):
+                    work.wait()  # the rest of the message, if still on its way
                 del self._recvs[src]
                 kind, a, b = buf.tolist()
                 got.append((src, kind, a, b))
@@ -365,7 +381,8 @@ class ControlPlane:
 
     def _post(self, src: int) -> tuple:
         buf = torch.zeros(3, dtype=torch.int64)
-        self._recvs[src] = (dist.irecv(buf, src=src, group=self.group), buf)
+        with naming_peer(self.disagg, "a control message from", src):
+            self._recvs[src] = (dist.irecv(buf, src=src, group=self.group), buf)
         return self._recvs[src]
 
 
@@ -451,8 +468,11 @@ class KVSender(_KVWorker):
         plan, self._plan = self._plan, None
         for rid, blocks in self.by_request(plan.saves if plan else ()).items():
             self.stats.transfers += 1
-            for work, part, dst in send_kv(self.kv_caches, blocks, self.routes, self.disagg.tp_rank,
-                                           self.peers_of(rid).ranks, tag=self.tag_of(rid)):
+            peer = self.peers_of(rid)
+            with naming_peer(self.disagg, f"sending request {rid}'s KV to", peer.ranks[0]):
+                sends = send_kv(self.kv_caches, blocks, self.routes, self.disagg.tp_rank, peer.ranks,
+                                tag=self.tag_of(rid))
+            for work, part, dst in sends:
                 self._inflight.append((self.waiter.watch(work), part, rid, dst, time.monotonic()))
                 self.stats.bytes += part.numel() * part.element_size()
 

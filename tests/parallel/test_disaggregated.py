@@ -20,7 +20,8 @@ disaggregated mode against the colocated single process.
   repeated prompts' prefixes in its tier, swaps requests out and back in), every block free after.
 - 1 prefill + 1 decode as two "hosts" in two network namespaces joined by a veth pair, compiled.
 - A decode rank that hangs: global rank 0 ends the job within the collective timeout, naming it and
-  its role; a prefill rank that hangs: the decode instance does, naming it.
+  its role; a prefill rank that hangs: the decode instance does, naming it. A decode rank that dies:
+  the prefill rank's next send fails, naming it.
 """
 
 from __future__ import annotations
@@ -283,6 +284,21 @@ def test_a_hung_instance_ends_the_job_within_the_timeout_naming_its_rank_and_rol
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "RuntimeError: rank" in line]
     assert any(line.split("RuntimeError: ")[1].startswith(f"rank {waiting_rank} ") and hung_name in line
                and "hung or dead" in line for line in errors), output_tail(proc)
+
+
+@pytest.mark.slow
+def test_a_killed_decode_instance_ends_the_job_naming_it(case, tmp_path):
+    """The decode rank's process exits in its third step (as on a host that died): the prefill rank's
+    send of the next request's KV fails and the job ends with an error naming the dead rank and its
+    role. Nothing waits on the dead side: the prefill side's blocks were freed when their KV was staged.
+    (--monitor-interval=2: the surviving rank gets to say so before torchrun's agent stops it.)"""
+    layout = dict(prefill_instances=1, decode_instances=1)
+    proc = torchrun(tmp_path, ["--nproc-per-node=2", "--standalone", "--monitor-interval=2"],
+                    engine_args(case, [layout], "--fail-rank", "1", "--fail-mode", "exit", families=FAMILIES[:1]),
+                    env={"TOOLKIT_DIST_TIMEOUT": "10"}, script=ENGINE_WORKER)
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "RuntimeError: rank 0 " in line]
+    assert any("rank 1 (decode instance 0, TP rank 0 of 1)" in line for line in errors), output_tail(proc)
 
 
 class TwoHosts:

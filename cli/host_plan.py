@@ -3,7 +3,8 @@ engine applies at start (toolkit/kv_sizing.py), before any process starts.
 
 Per process of a tp x pp x dp layout: the weights split over tp and pp (a lower bound, as the engine's
 check counts them), and a KV cache of 0.3 of the available memory shared by every process, never more
-than max_num_seqs requests of the longest request use.
+than max_num_seqs requests of the longest request use. A disaggregated layout (`disaggregated_plan`):
+the same per role, every instance's processes sharing the host, and the KV tokens each instance holds.
 """
 
 from __future__ import annotations
@@ -47,6 +48,57 @@ def host_row(config: ModelConfig, dtype: torch.dtype, tp: int, pp: int, dp: int,
     kv = sizing.num_blocks(sizing.budget(available, CPU_FRACTION)) * sizing.block_bytes
     minimum = processes * (weights + sizing.min_bytes)
     return HostRow(tp, pp, dp, processes, weights, kv, processes * (weights + kv), minimum, minimum <= available)
+
+
+@dataclass
+class InstanceRow:
+    role: str
+    instances: int
+    tp: int
+    processes: int  # of all this role's instances
+    weight_bytes_per_process: int
+    kv_bytes_per_process: int
+    kv_tokens_per_instance: int  # every rank of a TP instance holds its heads of the same tokens
+    min_bytes_per_process: int  # weights and one longest request's KV
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def disaggregated_plan(config: ModelConfig, dtype: torch.dtype, prefill: int, decode: int, prefill_tp: int,
+                       decode_tp: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                       max_request_tokens: int | None, available: int | None = None) -> dict:
+    """P prefill instances of prefill_tp processes and D decode instances of decode_tp, all on this host."""
+    available = available_memory_bytes("cpu") if available is None else available
+    world = prefill * prefill_tp + decode * decode_tp
+    tokens = request_tokens(max_model_len, max_request_tokens)
+    rows = []
+    for role, count, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp)):
+        per_token = kv_cache_bytes_per_token(config.num_layers, math.ceil(config.num_kv_heads / tp), config.head_dim,
+                                             dtype)
+        sizing = KVSizing(per_token, block_size, max_num_seqs, tokens, world)
+        blocks = sizing.num_blocks(sizing.budget(available, CPU_FRACTION))
+        weights = config.num_parameters * dtype.itemsize // tp
+        rows.append(InstanceRow(role, count, tp, count * tp, weights, blocks * sizing.block_bytes, blocks * block_size,
+                                weights + sizing.min_bytes))
+    total = sum(r.processes * (r.weight_bytes_per_process + r.kv_bytes_per_process) for r in rows)
+    minimum = sum(r.processes * r.min_bytes_per_process for r in rows)
+    return {"available_bytes": available, "kv_cache_memory_fraction": CPU_FRACTION, "max_num_seqs": max_num_seqs,
+            "request_tokens": tokens, "processes": world, "total_bytes": total, "min_total_bytes": minimum,
+            "fits": minimum <= available, "rows": [r.as_dict() for r in rows]}
+
+
+def format_disaggregated(plan: dict) -> str:
+    from toolkit.cli.sizes import format_size
+
+    fits = "fits" if plan["fits"] else f"does not fit: needs {format_size(plan['min_total_bytes'])}"
+    title = (f"Disaggregated on this host ({plan['processes']} processes, {format_size(plan['total_bytes'])} in "
+             f"all of {format_size(plan['available_bytes'])} available: {fits}):")
+    header = ["role", "instances", "TP", "processes", "weights/process", "KV cache/process", "KV tokens/instance"]
+    rows = [[r["role"], str(r["instances"]), str(r["tp"]), str(r["processes"]), format_size(r["weight_bytes_per_process"]),
+             format_size(r["kv_bytes_per_process"]), f"{r['kv_tokens_per_instance']:,}"] for r in plan["rows"]]
+    widths = [max(len(c) for c in column) for column in zip(header, *rows)]
+    return "\n".join([title, *("  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in (header, *rows))])
 
 
 def default_layouts(tp_sizes: list[int], num_layers: int) -> list[tuple[int, int, int]]:

@@ -39,6 +39,12 @@ def info(
         "With --pp/--dp: the one layout the host table shows. Default: every TP size, --dp 2 and --pp 2."))] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", min=1, show_default=False, help="See --tp.")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", min=1, show_default=False, help="See --tp.")] = None,
+    prefill_instances: Annotated[int, typer.Option(
+        min=0, help="With --decode-instances: a disaggregated layout's host table, per role (--tp: the decode "
+                    "instances' TP size).")] = 0,
+    decode_instances: Annotated[int, typer.Option(min=0, help="See --prefill-instances.")] = 0,
+    prefill_tp: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False, help="TP size of the prefill instances. Default: --tp.")] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Requests at once, for the host table.")] = 256,
     max_request_tokens: Annotated[Optional[int], typer.Option(
         min=1, show_default=False, help="The workload's longest request (prompt + output tokens), for the host "
@@ -66,6 +72,12 @@ def info(
         # What a CPU run of each layout takes on this host (cli/host_plan.py).
         report["host"] = host_plan.for_model(model, dtype, layouts, block_size, max_num_seqs, max_model_len,
                                              max_request_tokens)
+        if prefill_instances or decode_instances:
+            if not (prefill_instances and decode_instances):
+                raise CliError("--prefill-instances and --decode-instances go together (at least one of each)")
+            report["disaggregated"] = _disaggregated(model, dtype, prefill_instances, decode_instances,
+                                                     prefill_tp or tp or 1, tp or 1, block_size, max_num_seqs,
+                                                     max_model_len, max_request_tokens)
     except CliError as e:
         exit_with(e)
     if as_json:
@@ -73,6 +85,26 @@ def info(
     else:
         print_report(report, Console())
         Console().print(host_plan.format_plan(report["host"]), soft_wrap=True, markup=False, highlight=False)
+        if "disaggregated" in report:
+            Console().print(host_plan.format_disaggregated(report["disaggregated"]), soft_wrap=True, markup=False,
+                            highlight=False)
+
+
+def _disaggregated(model: Path, dtype: str, prefill: int, decode: int, prefill_tp: int, decode_tp: int,
+                   block_size: int, max_num_seqs: int, max_model_len: int | None, max_request_tokens: int | None) -> dict:
+    from toolkit.config import load_model_config, resolve_dtype
+    from toolkit.parallel import ParallelConfigError
+    from toolkit.parallel.tensor_parallel import check_tensor_parallel
+
+    config = load_model_config(model)
+    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+        try:
+            check_tensor_parallel(config, tp)
+        except ParallelConfigError as e:
+            raise CliError(f"{role} instances: {e}") from None
+    return host_plan.disaggregated_plan(config, resolve_dtype(dtype, config.checkpoint_dtype), prefill, decode,
+                                        prefill_tp, decode_tp, block_size, max_num_seqs,
+                                        max_model_len or config.max_position_embeddings, max_request_tokens)
 
 
 def build_report(path: Path, budgets: list[int], dtype: str, max_model_len: int | None, block_size: int) -> dict:

@@ -137,3 +137,43 @@ def test_info_host_rows_per_layout(ckpt):
                    max_model_len=512, max_request_tokens=None)
     assert row.kv_bytes_per_process == (int(700 * 2**10 * 0.3) // 2) // (16 * 256) * (16 * 256)  # the budget binds
     assert row.min_total_bytes == 2 * (weights // 2 + 32 * 16 * 256) and not row.fits  # one 512-token request
+
+
+def test_info_shows_each_disaggregated_instance(ckpt):
+    """`toolkit info --prefill-instances 1 --decode-instances 2 --prefill-tp 2`, by hand: 4 processes share
+    0.3 of 1 GiB; a prefill rank holds half the weights and one of the 2 kv heads (256 bytes a token), a
+    decode rank all of them (512 bytes); each caches at most 8 requests of 100 tokens (7 blocks each), so
+    each instance holds 8 x 7 x 16 tokens. The CLI prints the same plan, and refuses half a layout."""
+    import json
+
+    import torch
+    from typer.testing import CliRunner
+
+    from toolkit.cli.host_plan import disaggregated_plan
+    from toolkit.cli.main import app
+    from toolkit.config import load_model_config
+
+    config = load_model_config(ckpt)
+    weights = config.num_parameters * 4
+    plan = disaggregated_plan(config, torch.float32, prefill=1, decode=2, prefill_tp=2, decode_tp=1, block_size=16,
+                              max_num_seqs=8, max_model_len=512, max_request_tokens=100, available=GiB)
+    prefill, decode = plan["rows"]
+    assert (prefill["role"], prefill["processes"], prefill["weight_bytes_per_process"]) == ("prefill", 2, weights // 2)
+    assert (decode["role"], decode["processes"], decode["weight_bytes_per_process"]) == ("decode", 2, weights)
+    assert prefill["kv_bytes_per_process"] == 8 * 7 * 16 * 256 and decode["kv_bytes_per_process"] == 8 * 7 * 16 * 512
+    assert prefill["kv_tokens_per_instance"] == decode["kv_tokens_per_instance"] == 8 * 7 * 16
+    assert plan["processes"] == 4 and plan["fits"]
+    assert plan["total_bytes"] == 2 * (weights // 2 + 8 * 7 * 16 * 256) + 2 * (weights + 8 * 7 * 16 * 512)
+    # The budget binds on a small host: 0.3 of 2 MiB over 4 processes.
+    small = disaggregated_plan(config, torch.float32, prefill=1, decode=2, prefill_tp=2, decode_tp=1, block_size=16,
+                               max_num_seqs=8, max_model_len=512, max_request_tokens=100, available=2 * 2**20)
+    assert small["rows"][1]["kv_bytes_per_process"] == (int(2 * 2**20 * 0.3) // 4) // (16 * 512) * (16 * 512)
+    runner = CliRunner()
+    result = runner.invoke(app, ["info", str(ckpt), "--json", "--prefill-instances", "1", "--decode-instances", "2",
+                                 "--prefill-tp", "2", "--max-num-seqs", "8", "--max-request-tokens", "100",
+                                 "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)["disaggregated"]
+    assert [(r["role"], r["instances"], r["tp"]) for r in shown["rows"]] == [("prefill", 1, 2), ("decode", 2, 1)]
+    half = runner.invoke(app, ["info", str(ckpt), "--prefill-instances", "1"])
+    assert half.exit_code == 2 and "go together" in half.output

@@ -63,7 +63,7 @@ class BatchRunner:
         if job.error is not None:
             self._fail(job, job.error, before_engine=True)
             return
-        if job.prompts is not None and len(job.prompts) > 1 and self.engine.disagg is not None:
+        if job.prompts is not None and len(job.prompts) > 1 and self.engine.front.splits_lines:
             # Its prompts could go to different decode instances, which write separate shards.
             self._fail(job, f"line {job.line}: a list of prompts in one request is not supported with "
                             "disaggregated prefill/decode yet; give one prompt per line", before_engine=True)

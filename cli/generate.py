@@ -442,11 +442,12 @@ def _generate_file(io: IOArgs, model: Path | None, base: SamplingParams, fmt: st
             except LineFailed as e:
                 raise CliError(f"{e} (--fail-fast: stopped; fix the line and rerun with the same --output to "
                                "resume)", code=EXIT_LINE_FAILED) from None
-        stats.spec = engine.stats().get("spec_decode")
-        if engine.disagg is None:
+        engine_stats = engine.stats()
+        stats.spec = engine_stats.get("spec_decode")
+        if "disaggregated" not in engine_stats:
             stats.kv = kv_summary(engine)
         else:  # a decode instance's prefix cache sees none of the prompts: the prefill instances compute them
-            kv = engine.stats()["disaggregated"]["kv"]
+            kv = engine_stats["disaggregated"]["kv"]
             stats.handoff = {k: kv[k] for k in ("transfers", "bytes", "seconds_total")}
         stats.pipeline = engine.pipeline_stats()  # a collective over the replica's ranks
         # Also the barrier: once rank 0 has every writer's stats, every shard is complete and closed.
@@ -496,15 +497,8 @@ def fingerprint(model: Path | None, engine_args: dict, sampling: dict) -> RunFin
 
 def _gather_writers(engine, stats: RunStats) -> list[RunStats] | None:
     """Every shard writer's stats on rank 0 (None elsewhere): the data-parallel replicas', or the
-    decode instances' once every one of them is done (toolkit/disaggregated.py)."""
-    if engine.disagg is None:
-        from toolkit.parallel import gather_replicas
-
-        return gather_replicas(engine.parallel, stats)
-    from toolkit.disaggregated import gather_decoded
-
-    engine.disagg.finish_call(engine)
-    return gather_decoded(engine.disagg.disagg, stats)
+    decode instances' once every one of them is done (toolkit/front_end.py)."""
+    return engine.front.collect(engine, stats)
 
 
 def _combine(parts: list[RunStats]) -> RunStats:

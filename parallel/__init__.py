@@ -8,7 +8,7 @@ Leaf package: imports torch and torch.distributed only (it reads the model confi
 and the model's module names, but never imports toolkit).
 """
 
-from toolkit.parallel.data_parallel import (Lockstep, gather_outputs, gather_replicas, my_share, request_cost,
+from toolkit.parallel.data_parallel import (Lockstep, gather_replicas, my_share, request_cost,
                                             split_by_tokens)
 from toolkit.parallel.dims import ParallelDims
 from toolkit.parallel.distributed import (
@@ -31,7 +31,7 @@ from toolkit.parallel.launch import launched_by_torchrun, maybe_relaunch, relaun
 
 __all__ = [
     "MESH_DIM_NAMES", "TIMEOUT_ENV", "Lockstep", "ParallelConfigError", "ParallelDims", "ParallelState",
-    "build_parallel", "gather_outputs", "gather_replicas",
+    "build_parallel", "gather_replicas",
     "is_main_process", "launched_by_torchrun", "launched_world_size", "maybe_relaunch", "my_share",
     "processes_per_device", "relaunch", "request_cost", "setup_parallel", "shutdown", "split_by_tokens",
 ]

@@ -39,17 +39,6 @@ def my_share(state, costs: list[int]) -> list[int]:
     return split_by_tokens(costs, state.dp_size)[state.dp_rank]
 
 
-def gather_outputs(state, indices: list[int], outputs: list, total: int) -> list:
-    """Every replica's outputs on global rank 0, in input order; [] on every other rank."""
-    if state is None:
-        return outputs
-    parts = gather_replicas(state, list(zip(indices, outputs)))
-    if parts is None:
-        return []
-    by_index = dict(pair for part in parts for pair in part)
-    return [by_index[i] for i in range(total)]
-
-
 def gather_replicas(state, obj) -> list | None:
     """One picklable object from each replica (its first rank: pipeline stage 0, TP rank 0), in replica
     order, on global rank 0; None on every other rank. Every rank of a replica holds the same results

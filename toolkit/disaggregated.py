@@ -378,12 +378,3 @@ def gather_decoded(disagg: Disaggregation, obj) -> list | None:
     if disagg.rank != 0:
         return None
     return [parts[inst.ranks[0]] for inst in disagg.instances("decode")]
-
-
-def gather_outputs(disagg: Disaggregation, outputs: list, total_ids: list[str]) -> list:
-    """The decode instances' outputs on global rank 0 in `total_ids` order; [] on every other rank."""
-    parts = gather_decoded(disagg, outputs)
-    if parts is None:
-        return []
-    by_id = {out.request_id: out for part in parts for out in part}
-    return [by_id[rid] for rid in total_ids]

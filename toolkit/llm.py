@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from toolkit import vllm_args
-from toolkit.parallel import gather_outputs, is_main_process, my_share, request_cost
+from toolkit.parallel import is_main_process, request_cost
 from toolkit.config import EngineConfig
 from toolkit.engine import Engine
 from toolkit.outputs import RequestOutput
@@ -79,11 +79,12 @@ class LLM:
             raise ValueError("priority is set but scheduling_policy is "
                              f"{self.engine.config.scheduling_policy!r}; pass scheduling_policy='priority'")
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
-        # Data parallel: this replica serves its token-balanced share; rank 0 gathers everything.
-        state = self.engine.parallel
+        # The front end says which requests this rank feeds (a data-parallel replica: its token-balanced
+        # share), and brings every rank's outputs to global rank 0 (toolkit/front_end.py).
+        front = self.engine.front
         max_len = self.engine.max_model_len
         costs = [request_cost(len(ids), sp.max_tokens, sp.n, max_len) for (_, ids), sp in zip(encoded, params)]
-        mine = my_share(state, costs)
+        mine = front.share(costs)
         first, self._counter = self._counter, self._counter + len(prompts)
         ids = []
         try:
@@ -93,9 +94,8 @@ class LLM:
                 self.engine.add_request(rid, token_ids, params[i], prompt=text,
                                         priority=priority[i] if priority else 0, cache_salt=salt)
                 ids.append(rid)
-            if self.engine.disagg is not None:
-                return self._finish_disaggregated(list(self._run(len(ids), False)), ids)
-            results = {out.request_id: out for out in self._run(len(ids), use_tqdm and is_main_process())}
+            results = {out.request_id: out for out in
+                       self._run(len(ids), use_tqdm and is_main_process() and front.progress)}
         except BaseException:
             # Ctrl-C (or a fault that ends the call): nothing of this call stays in the engine to
             # surface in the next generate().
@@ -103,15 +103,11 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         self._log_pipeline_idle()
-        return gather_outputs(state, mine, [results[rid] for rid in ids], len(prompts))
-
-    def _finish_disaggregated(self, outputs: list[RequestOutput], ids: list[str]) -> list[RequestOutput]:
-        """Every decode instance's outputs on global rank 0, in input order, once all are done."""
-        from toolkit.disaggregated import gather_outputs as gather_decoded
-
-        role = self.engine.disagg
-        role.finish_call(self.engine)
-        return gather_decoded(role.disagg, outputs, ids)
+        parts = front.collect(self.engine, results)
+        if parts is None:
+            return []
+        gathered = {rid: out for part in parts for rid, out in part.items()}
+        return [gathered[str(first + i)] for i in range(len(prompts))]
 
     def _log_pipeline_idle(self) -> None:
         """Pipeline parallelism: how much of its time each stage has spent waiting (since the engine started)."""

@@ -60,15 +60,9 @@ def main(spec_path: str) -> None:
 
 
 def _share(engine, requests: list[dict]) -> list[int]:
-    """The requests this rank is fed: colocated replicas their token-balanced share (as LLM.generate
-    splits), a disaggregated job every request (the engine routes)."""
-    from toolkit.parallel import split_by_tokens
-
-    state = engine.parallel
-    if engine.disagg is not None or state is None or state.dp_size == 1:
-        return list(range(len(requests)))
-    costs = [len(r["prompt_token_ids"]) + r["output_len"] for r in requests]
-    return split_by_tokens(costs, state.dp_size)[state.dp_rank]
+    """The requests this rank is fed, as LLM.generate feeds them (toolkit/front_end.py): colocated
+    replicas their token-balanced share, a disaggregated job every request (the roles route)."""
+    return engine.front.share([len(r["prompt_token_ids"]) + r["output_len"] for r in requests])
 
 
 def _run(engine, requests: list[dict], mine: list[int], prefix: str, advance, tokens: dict | None = None,

@@ -20,6 +20,7 @@ from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
 from toolkit.scheduling import Scheduler, SchedulerConfig
 from toolkit.tokenizer import TOKENIZER_FILES, eos_token_ids, load_tokenizer
+from toolkit.front_end import build_front
 from toolkit.worker import Worker
 
 log = logging.getLogger("toolkit")
@@ -90,6 +91,7 @@ def build_engine(config: EngineConfig) -> SimpleNamespace:
     return SimpleNamespace(
         config=config, model_config=mc, parallel=parallel, backend=backend, tokenizer=tokenizer, scheduler=scheduler, worker=worker, kv_tiers=kv_tiers,
         executor=build_executor(worker, parallel, config), hooks=hooks, speculator=speculator,
+        front=build_front(parallel, hooks),
         outputs=OutputProcessor(scheduler, tokenizer, eos_token_ids(mc, tokenizer), config.max_model_len))
 
 

@@ -31,6 +31,7 @@ class Engine:
         self.scheduler, self.executor, self.outputs = parts.scheduler, parts.executor, parts.outputs
         self.worker, self.hooks, self.kv_tiers, self.speculator = parts.worker, parts.hooks, parts.kv_tiers, parts.speculator
         self.backend = parts.backend
+        self.front = parts.front  # how a call's requests reach the job's engines and come back (toolkit/front_end.py)
         self.device, self.dtype, self.max_model_len = self.config.device, self.config.dtype, self.config.max_model_len
         self._log_kv_cache()
 

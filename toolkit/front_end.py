@@ -1,0 +1,59 @@
+"""How one call's requests reach the job's engines, and how what they return comes back to global rank 0.
+
+Every rank of a job makes the same call (`LLM.generate`, the CLI's batch runner) with the same input.
+The front end says which of the call's requests this rank's engine is fed (`share`), and gathers one
+object (outputs, a run's stats) from each rank that speaks for some of them onto global rank 0
+(`collect`). `LLM` and the CLI ask it and nothing else about the job's layout:
+
+- `ReplicaFront`: one engine, or data-parallel replicas (each a process, or a TP / PP group): each
+  replica is fed its token-balanced share and its first rank speaks for it (parallel/data_parallel.py).
+- `DisaggregatedFront`: prefill and decode instances: every rank is fed every request (the roles'
+  router picks each one's instances), and each decode instance's first rank speaks for what it
+  decoded, once global rank 0 has heard every decode instance finish (toolkit/disaggregated.py).
+"""
+
+from __future__ import annotations
+
+from toolkit.parallel import gather_replicas, my_share
+
+
+class ReplicaFront:
+    # Whether a rank's own outputs tell the call's progress, and whether one input line's several prompts
+    # may end on different speakers (they may not here: a replica serves a whole line).
+    progress = True
+    splits_lines = False
+
+    def __init__(self, state):
+        self.state = state  # ParallelState, or None for one process
+
+    def share(self, costs: list[int]) -> list[int]:
+        """The indices of the call's requests this rank's engine is fed (`costs`: request_cost each)."""
+        return my_share(self.state, costs)
+
+    def collect(self, engine, obj) -> list | None:
+        """`obj` from each replica's first rank, in replica order, on global rank 0; None elsewhere. A
+        collective: every rank calls it."""
+        return [obj] if self.state is None else gather_replicas(self.state, obj)
+
+
+class DisaggregatedFront:
+    progress = False  # a decode instance returns only its own requests
+    splits_lines = True  # each prompt is routed on its own, and decode instances write apart
+
+    def __init__(self, role):
+        self.role = role  # this rank's PrefillRole or DecodeRole
+
+    def share(self, costs: list[int]) -> list[int]:
+        return list(range(len(costs)))
+
+    def collect(self, engine, obj) -> list | None:
+        """`obj` from each decode instance's first rank, in instance order, on global rank 0 (which first
+        waits for every decode instance's DONE); None elsewhere. A collective: every rank calls it."""
+        from toolkit.disaggregated import gather_decoded
+
+        self.role.finish_call(engine)
+        return gather_decoded(self.role.disagg, obj)
+
+
+def build_front(parallel, hooks):
+    return DisaggregatedFront(hooks) if getattr(hooks, "disagg", None) is not None else ReplicaFront(parallel)

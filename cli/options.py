@@ -159,11 +159,11 @@ PipelinePartitionOpt = Annotated[Optional[str], typer.Option(
 PrefillInstancesOpt = Annotated[int, typer.Option(
     "--prefill-instances", min=0, rich_help_panel=PARALLEL,
     help="Disaggregated prefill/decode: instances that only prefill prompts and send their KV to the decode "
-         "instances (needs --decode-instances and --input/--output). 0: every process does both.")]
+         "instances (needs --decode-instances; generate: and --input/--output). 0: every process does both.")]
 DecodeInstancesOpt = Annotated[int, typer.Option(
     "--decode-instances", min=0, rich_help_panel=PARALLEL,
-    help="Disaggregated prefill/decode: instances that receive the prompts' KV and decode; each writes "
-         "OUTPUT.dpI-of-N, merged into OUTPUT at the end. World = prefill x prefill tp + decode x tp.")]
+    help="Disaggregated prefill/decode: instances that receive the prompts' KV and decode (generate: each "
+         "writes OUTPUT.dpI-of-N, merged into OUTPUT at the end). World = prefill x prefill tp + decode x tp.")]
 PrefillTensorParallelOpt = Annotated[Optional[int], typer.Option(
     "--prefill-tp", "--prefill-tensor-parallel-size", min=1, rich_help_panel=PARALLEL, show_default=False,
     help="Processes per prefill instance, when not --tp (the KV heads are re-split on the way).")]

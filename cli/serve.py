@@ -3,7 +3,9 @@
 With --tp/--pp/--dp > 1 the command runs itself as that many processes (as `toolkit generate`
 does); global rank 0 serves HTTP and broadcasts each step's new requests and aborts to the others,
 which run the same engine loop without a front end. With --dp rank 0 routes each request to the
-replica with the least work, and gathers every replica's news after each step. SIGTERM or Ctrl-C stops it gracefully: no new
+replica with the least work, and gathers every replica's news after each step; with
+--prefill-instances/--decode-instances every rank adds every request, the roles route it to its
+instances, and rank 0 gathers the decode instances' news. SIGTERM or Ctrl-C stops it gracefully: no new
 connections, in-flight requests get --shutdown-timeout seconds to finish, the rest are aborted, and
 the command exits 0.
 """
@@ -22,7 +24,7 @@ import typer
 
 from toolkit.cli import options as o
 from toolkit.cli.errors import CliError, exit_with, stderr_console
-from toolkit.cli.generate import check_model_splits, load_engine
+from toolkit.cli.generate import Ranks, check_disaggregation, check_model_splits, load_engine
 from toolkit.cli.interrupts import describe, interruptible
 
 SERVER = "Server"
@@ -67,6 +69,10 @@ def serve(
     tp: o.TensorParallelOpt = 1,
     pp: o.PipelineParallelOpt = 1,
     dp: o.DataParallelOpt = 1,
+    prefill_instances: o.PrefillInstancesOpt = 0,
+    decode_instances: o.DecodeInstancesOpt = 0,
+    prefill_tp: o.PrefillTensorParallelOpt = None,
+    prefill_backlog: o.PrefillBacklogOpt = 64,
     pp_layer_partition: o.PipelinePartitionOpt = None,
     enable_expert_parallel: o.ExpertParallelOpt = False,
     verbose: o.VerboseOpt = False,
@@ -89,14 +95,21 @@ def serve(
     engine_args.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                                    kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                                    preemption_mode=preemption_mode))
-    world, rank = tp * pp * dp, int(os.environ.get("RANK", "0"))
+    if prefill_instances or decode_instances or prefill_tp is not None:
+        engine_args.update(prefill_instances=prefill_instances, decode_instances=decode_instances,
+                           prefill_tensor_parallel_size=prefill_tp, prefill_backlog=prefill_backlog)
+    ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp, prefill_instances, decode_instances, prefill_tp)
+    world, rank = ranks.world, ranks.rank
     name = served_model_name or str(model or "toolkit-default")
     try:
         if speculative_config is not None:
             engine_args["speculative_config"] = o.parse_speculative_config(speculative_config, model)
+        check_disaggregation(engine_args)
         if world > 1:
             if "RANK" not in os.environ:
                 check_model_splits(model, tp, dp, enable_expert_parallel, pp, pp_layer_partition)
+                if prefill_tp is not None:
+                    check_model_splits(model, prefill_tp)
             from toolkit.parallel import maybe_relaunch
 
             code = maybe_relaunch(world)

@@ -3,7 +3,8 @@
 Every rank of a job makes the same call (`LLM.generate`, the CLI's batch runner) with the same input.
 The front end says which of the call's requests this rank's engine is fed (`share`), and gathers one
 object (outputs, a run's stats) from each rank that speaks for some of them onto global rank 0
-(`collect`). `LLM` and the CLI ask it and nothing else about the job's layout:
+(`collect` at the end of a call; `gather` as a server does after every step). `LLM`, the CLI and the
+server ask it and nothing else about the job's layout:
 
 - `ReplicaFront`: one engine, or data-parallel replicas (each a process, or a TP / PP group): each
   replica is fed its token-balanced share and its first rank speaks for it (parallel/data_parallel.py).
@@ -30,10 +31,19 @@ class ReplicaFront:
         """The indices of the call's requests this rank's engine is fed (`costs`: request_cost each)."""
         return my_share(self.state, costs)
 
-    def collect(self, engine, obj) -> list | None:
-        """`obj` from each replica's first rank, in replica order, on global rank 0; None elsewhere. A
-        collective: every rank calls it."""
+    @property
+    def speaks(self) -> bool:
+        """Whether this rank's outputs are gathered (its replica's first rank)."""
+        return self.state is None or self.state.rank % self.state.replica_size == 0
+
+    def gather(self, obj) -> list | None:
+        """`obj` from each speaking rank, in replica order, on global rank 0; None elsewhere. A collective:
+        every rank calls it (none without data parallelism, whose one speaker is global rank 0)."""
         return [obj] if self.state is None else gather_replicas(self.state, obj)
+
+    def collect(self, engine, obj) -> list | None:
+        """At the end of a call: `gather`."""
+        return self.gather(obj)
 
 
 class DisaggregatedFront:
@@ -46,13 +56,22 @@ class DisaggregatedFront:
     def share(self, costs: list[int]) -> list[int]:
         return list(range(len(costs)))
 
-    def collect(self, engine, obj) -> list | None:
-        """`obj` from each decode instance's first rank, in instance order, on global rank 0 (which first
-        waits for every decode instance's DONE); None elsewhere. A collective: every rank calls it."""
+    @property
+    def speaks(self) -> bool:
+        """Whether this rank's outputs are gathered (a decode instance's first rank)."""
+        return self.role.role == "decode" and self.role.disagg.tp_rank == 0
+
+    def gather(self, obj) -> list | None:
+        """`obj` from each decode instance's first rank, in instance order, on global rank 0; None
+        elsewhere. A collective: every rank calls it."""
         from toolkit.disaggregated import gather_decoded
 
-        self.role.finish_call(engine)
         return gather_decoded(self.role.disagg, obj)
+
+    def collect(self, engine, obj) -> list | None:
+        """At the end of a call: `gather`, once global rank 0 has every decode instance's DONE."""
+        self.role.finish_call(engine)
+        return self.gather(obj)
 
 
 def build_front(parallel, hooks):

@@ -1,7 +1,9 @@
-"""`toolkit serve --tp 2`, `--pp 2` and `--dp 2`: the command relaunches itself as two processes (gloo
-on CPU), rank 0 serves HTTP and hands each step's new requests and aborts to the other rank; with
---dp each request goes to one replica, whose news rank 0 gathers after each step (both replicas
-serve some: their routed counts; the KV gauges count both replicas' blocks).
+"""`toolkit serve --tp 2`, `--pp 2`, `--dp 2` and one prefill + one decode instance: the command
+relaunches itself as two processes (gloo on CPU), rank 0 serves HTTP and hands each step's new
+requests and aborts to the other rank; with --dp each request goes to one replica, whose news rank 0
+gathers after each step (both replicas serve some: their routed counts; the KV gauges count both
+replicas' blocks); disaggregated, rank 0 is the prefill instance and gathers the decode instance's
+news.
 
 Oracle: `LLM.generate` in one process on the same checkpoint: greedy text streamed and not, a list
 of prompts, seeded n=2. A client that disconnects mid-stream aborts on both ranks (every block free
@@ -40,10 +42,13 @@ def llm(ckpt):
     return LLM(str(ckpt), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=4 * 2**20)
 
 
-@pytest.fixture(scope="module", params=[["--tp", 2], ["--pp", 2], ["--dp", 2]], ids=["tp2", "pp2", "dp2"])
+@pytest.fixture(scope="module", params=[["--tp", 2], ["--pp", 2], ["--dp", 2],
+                                        ["--prefill-instances", 1, "--decode-instances", 1]],
+                ids=["tp2", "pp2", "dp2", "1p1d"])
 def server(request, ckpt):
     server = Server(ckpt, *FLAGS, *request.param, "--served-model-name", "tiny", env={"OMP_NUM_THREADS": "1"})
     server.replicas = 2 if request.param[0] == "--dp" else 1
+    server.disaggregated = request.param[0] == "--prefill-instances"
     yield server
     code, stderr = server.stop()
     assert code == 0, stderr[-4000:]
@@ -71,6 +76,10 @@ def test_answers_equal_the_single_process(server, llm):
     metrics = server.metrics()
     routed = [v for (name, _), v in metrics.items() if name == "toolkit:dp_requests_routed_total"]
     assert len(routed) == (server.replicas if server.replicas > 1 else 0) and all(routed), metrics
+    # Disaggregated: rank 0's (the prefill instance's) metrics count the prompts' KV it sent.
+    sent = [v for (name, labels), v in metrics.items() if name == "toolkit:disagg_kv_transfers_total"
+            and ("role", "prefill") in labels]
+    assert (sum(sent) > 0) == server.disaggregated, metrics
     if server.replicas > 1:  # each replica has the single process's memory and blocks
         assert metrics[("toolkit:kv_cache_blocks", ())] == llm.engine.scheduler.kv_cache.num_blocks * server.replicas
 

@@ -8,12 +8,14 @@ engine requires. When nothing runs, rank 0 still sends an empty batch every `HEA
 other ranks' wait in the broadcast never reaches the collective timeout of an idle server.
 
 With data parallelism rank 0 also routes each new request to one replica (`ReplicaRouter`: the one
-with the fewest tokens still to compute), and only that replica adds it.
+with the fewest tokens still to compute), and only that replica adds it. In a disaggregated job every
+rank adds every request and the roles route it to its prefill and decode instances, as offline.
 
-After each step the first rank of each replica cuts each of its live requests' new tokens, text and
-logprobs from the output processor (`OutputProcessor.partial`) as `Update`s; with data parallelism
-those of every replica are gathered to rank 0 (one gather per step). Rank 0 hands each to its
-request's `Stream`, an asyncio queue read by the HTTP handler on the event loop's thread.
+After each step each speaking rank (a replica's first rank, or a decode instance's: the engine's front
+end, toolkit/front_end.py) cuts each of its live requests' new tokens, text and logprobs from the
+output processor (`OutputProcessor.partial`) as `Update`s; with several speakers those are gathered
+to rank 0 (one gather per step). Rank 0 hands each to its request's `Stream`, an asyncio queue read by
+the HTTP handler on the event loop's thread.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from toolkit.outputs import CompletionOutput, Logprob, RequestOutput
-from toolkit.parallel import gather_replicas, request_cost
+from toolkit.parallel import request_cost
 from toolkit.sampling_params import SamplingParams
 
 log = logging.getLogger("toolkit")
@@ -164,8 +166,9 @@ class EngineLoop:
         state = engine.parallel
         self.replica = state.dp_rank if state is not None else 0
         self.dp = state.dp_size if state is not None else 1
-        # The rank that speaks for its replica (its pipeline stage 0, TP rank 0): what it hands out.
-        self.reporting = state is None or state.rank % state.replica_size == 0
+        # A rank whose requests' news rank 0 gathers: a replica's first rank, or a decode instance's
+        # (toolkit/front_end.py).
+        self.reporting = engine.front.speaks
         self.router = ReplicaRouter(self.dp, engine.max_model_len) if self.serving and self.dp > 1 else None
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, Stream] = {}  # engine thread only
@@ -285,7 +288,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
                                         prompt=request.prompt)
-                if self.reporting:
+                if self.reporting and self.engine.serves(request.request_id):  # (a decode instance: routed here)
                     self._sent[request.request_id] = _Sent(request.params)
             except ValueError as e:  # every rank of the replica refuses it alike; the HTTP side checked most
                 refused[request.request_id] = Update([], error=str(e))
@@ -336,7 +339,7 @@ class EngineLoop:
         if self.reporting:
             kv = self.engine.scheduler.kv_cache
             news = ReplicaNews(updates, busy, self.engine.scheduler.num_waiting, (kv.num_blocks, kv.num_free_blocks))
-        parts = gather_replicas(self.engine.parallel, news) if self.dp > 1 else [news]
+        parts = self.engine.front.gather(news)
         if not self.serving:
             return busy
         for part in parts:
@@ -344,7 +347,7 @@ class EngineLoop:
                 self._hand_out(request_id, update)
         self.num_waiting = sum(part.waiting for part in parts)
         self.kv_blocks = [part.kv_blocks for part in parts]
-        return any(part.busy for part in parts)
+        return busy or any(part.busy for part in parts)  # rank 0 itself may be a prefill rank
 
     def _hand_out(self, request_id: str, update: Update) -> None:
         """Rank 0: one request's update to its stream; an ended request leaves the loop."""

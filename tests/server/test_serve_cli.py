@@ -35,10 +35,11 @@ def test_serve_takes_the_engine_flags_of_generate():
     command = typer.main.get_command(app)
     serve, generate = command.commands["serve"], command.commands["generate"]
     ours = {opt for p in serve.params for opt in p.opts}
-    engine_panels = ("Model", "Engine", "KV cache hierarchy")
+    engine_panels = ("Model", "Engine", "KV cache hierarchy", "Parallel")
     theirs = {opt for p in generate.params if getattr(p, "rich_help_panel", None) in engine_panels for opt in p.opts}
     assert theirs <= ours, theirs - ours
-    assert {"--tp", "--pp", "--pp-layer-partition", "--enable-expert-parallel"} <= ours
+    assert {"--tp", "--pp", "--dp", "--pp-layer-partition", "--enable-expert-parallel", "--prefill-instances",
+            "--decode-instances", "--prefill-tp", "--quantization"} <= ours
 
 
 def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tmp_path):

@@ -51,6 +51,8 @@ def main() -> None:
             "pipeline": stats.get("pipeline"), "expert_parallel": stats.get("expert_parallel"),
             "kv_blocks": kv.num_blocks, "blocks_free": kv.num_free_blocks == kv.num_blocks,
             "draft_runner": stats.get("draft_runner") is not None,
+            "int8_linears": sum(type(m).__name__ in ("Int8Linear", "CPUInt8Linear")
+                                for m in llm.engine.runner.model.modules()),
         }
         del llm
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))

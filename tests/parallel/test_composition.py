@@ -10,8 +10,9 @@ transformers' (checked here for every model). Three launches, several cases each
 
 - pp=2: n-gram speculation (chunked prefill; seeded sampling with n=2 and logprobs), a draft model
   (chunked), a CPU tier under a 3-block device cache (chunked, prefix caching: tier hits), swap
-  preemption forced (chunked), a disk tier that this launch writes, and a GGUF file (each stage
-  de-quantizes only its layers);
+  preemption forced (chunked), a disk tier that this launch writes, a GGUF file (each stage
+  de-quantizes only its layers), and weight-only int8 with a draft model (each stage quantizes its
+  own linears; the draft, on the last stage, is quantized too);
 - pp=2 x tp=2: a draft model (seeded sampling, n=2, logprobs; chunked), a MoE model with expert
   parallelism over each stage's two TP ranks (chunked), and the GGUF file (each TP rank de-quantizes
   its rows, q/k's permuted ones, and its columns: 256-aligned K-quant blocks read alone, the others cut);
@@ -79,6 +80,7 @@ def setup(tmp_path_factory):
         "draft_tp": (llama, {**CHUNKED, "speculative_config": drafted}, SAMPLED),
         "moe_ep": (moe, {**CHUNKED, "enable_expert_parallel": True}, None),
         "gguf": (gguf, {}, None),
+        "int8_draft": (llama, {**CHUNKED, "quantization": "int8", "speculative_config": drafted}, None),
         "gguf_tp": (gguf, CHUNKED, None),
         "moe_ep_dp": (moe, {"enable_expert_parallel": True}, None),
         "disk_read": (llama, {"kv_disk_cache_dir": str(disk), "kv_disk_cache_size": 0.01,
@@ -129,7 +131,7 @@ def launch(setup, tmp_path: Path, names: list[str], world: int, *layout: str) ->
 @pytest.fixture(scope="module")
 def pp2_reports(setup, tmp_path_factory):
     """The pp=2 launch (module-wide: the pp=2 x dp=2 launch reads the disk tier it writes)."""
-    names = ["ngram", "draft", "cpu_tier", "swap", "disk_write", "gguf"]
+    names = ["ngram", "draft", "cpu_tier", "swap", "disk_write", "gguf", "int8_draft"]
     return launch(setup, tmp_path_factory.mktemp("pp2"), names, 2, "--pp", "2")
 
 
@@ -147,6 +149,10 @@ def test_pp2_with_speculation_tiers_swap_and_a_disk_tier(pp2_reports):
         assert cases["cpu_tier"]["kv_tiers"]["hit_blocks"]["cpu"] > 0, rank
         assert cases["swap"]["preemptions"] > 0 and cases["swap"]["kv_tiers"]["swapped_in"] > 0, rank
         assert cases["disk_write"]["kv_tiers"]["copied_blocks"]["device_to_disk"] > 0, rank
+        assert cases["int8_draft"]["spec_decode"]["num_drafts"] > 0, rank
+        # This stage's linears only: q/k/v, o, gate/up, down per layer (3 and 2 of llama's 5), the last its lm_head.
+        assert cases["int8_draft"]["int8_linears"] == 4 * (3 if rank == 0 else 2) + rank, rank
+        assert cases["draft"]["int8_linears"] == 0, rank
 
 
 def test_pp2_x_tp2_with_a_draft_model_expert_parallel_moe_and_a_gguf_file(setup, tmp_path_factory):

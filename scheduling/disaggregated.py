@@ -37,6 +37,7 @@ class HandoffStats:
     dropped: int = 0  # decode side: arrived KV received and thrown away (the request ended first)
     max_backlog: int = 0  # prefill side: the most requests held at once (computing or staged), seen by its first rank
     door_waits: int = 0  # prefill side: steps at which requests waited for room (prefill_backlog)
+    aborted: int = 0  # requests aborted before their KV left (prefill) or arrived (decode)
 
 
 @dataclass
@@ -76,6 +77,15 @@ class PrefillConnector(KVConnectorScheduler):
     def build_plan(self) -> KVTransferPlan:
         saves, self._pending.saves = self._pending.saves, []
         return KVTransferPlan(saves=saves)
+
+    def refuse(self, request_id: str) -> None:
+        """A request aborted before it was computed: its decode instance is told it has no KV coming."""
+        self._pending.outcomes.append((request_id, False))
+        self.handoff_stats.aborted += 1
+
+    @property
+    def has_outcomes(self) -> bool:
+        return bool(self._pending.outcomes)
 
     def take_outcomes(self) -> list[tuple[str, bool]]:
         """(request id, whether its KV is being sent) of the requests ended since the last call: what

@@ -207,7 +207,16 @@ class PrefillRole(_Role):
         self.worker.poll()
 
     def has_unfinished(self, engine, busy: bool) -> bool:
-        return busy or self.worker.poll() > 0 or bool(self._door)
+        return busy or self.worker.poll() > 0 or bool(self._door) or self.connector.has_outcomes
+
+    def abort(self, engine, request_id: str) -> None:
+        """A request still at the door leaves it uncomputed, and its decode instance is told (READY with
+        ok = 0) at the next step; one in the engine is the engine's to abort (its READY says failed)."""
+        for i, args in enumerate(self._door):
+            if args[0] == request_id:
+                del self._door[i]
+                self.connector.refuse(request_id)
+                return
 
     def serves(self, request_id: str) -> bool:
         return False  # a prefill instance returns no output
@@ -247,6 +256,7 @@ class DecodeRole(_Role):
         self._served: set[str] = set()
         self._last_word = time.monotonic()
         self._kv_ready: dict[str, float] = {}  # request id -> when READY came
+        self._aborted: set[str] = set()  # aborted while their prefill was elsewhere: dropped when it comes
 
     def add_request(self, engine, request_id, prompt_token_ids, params: SamplingParams, prompt, priority,
                     arrival_time, cache_salt) -> None:
@@ -318,9 +328,23 @@ class DecodeRole(_Role):
             else:
                 self._early[seq] = bool(ok)
 
+    def abort(self, engine, request_id: str) -> None:
+        if any(e.args[0] == request_id for e in self._expected.values()):
+            self._aborted.add(request_id)
+
     def _arrive(self, engine, expected: _Expected, ok: bool) -> None:
         self._last_word = time.monotonic()
         rid, prompt_token_ids, params, *_ = expected.args
+        if rid in self._aborted:  # aborted while awaited: its KV, if any was sent, is received and dropped
+            self._aborted.discard(rid)
+            self._served.discard(rid)
+            self.connector.handoff_stats.aborted += 1
+            if ok:
+                holder = rid if params.n == 1 else f"{rid}#0"
+                self._tags[holder] = expected.seq
+                self._peers[holder] = self.disagg.instances("prefill")[expected.prefill]
+                self.connector.discard(holder, len(prompt_token_ids) - 1)
+            return
         engine._add_request(*expected.args)
         engine._groups[rid].metrics.arrival_time = expected.arrival  # TTFT counts from the request's arrival
         self._kv_ready[rid] = time.monotonic()

@@ -58,11 +58,33 @@ def main() -> None:
                 "expert_parallel": stats.get("expert_parallel"),
                 "metrics": sorted({m.name for m in llm.get_metrics() if m.name.startswith("toolkit:disagg")}),
             })
+            if args.abort_half:
+                report["runs"][-1]["aborted_run"] = abort_half(engine, prompts, args.max_tokens)
+                report["runs"][-1]["blocks_free_after_abort"] = (engine.scheduler.num_free_blocks
+                                                                 == engine.runner.kv_spec.num_blocks)
             del llm, engine
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
     from toolkit.parallel import shutdown
 
     shutdown()
+
+
+def abort_half(engine, prompts: list[list[int]], max_tokens: int) -> dict | None:
+    """Every prompt added, every other one aborted at once (still at its prefill instance's door, or
+    awaited by its decode instance), the rest run to their end: on global rank 0, the finished ones'
+    tokens from every decode instance (None elsewhere)."""
+    from toolkit import SamplingParams
+
+    ids = [f"abort-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    for rid in ids[::2]:
+        engine.abort_request(rid)
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({out.request_id: out.outputs[0].token_ids for out in engine.step()})
+    parts = engine.front.collect(engine, finished)
+    return None if parts is None else {rid: tokens for part in parts for rid, tokens in part.items()}
 
 
 def fail_in_third_step(llm: LLM, mode: str) -> None:
@@ -91,6 +113,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sampled", metavar="JSON")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-mode", choices=("exit", "hang"), default="exit")
+    p.add_argument("--abort-half", action="store_true", help="after the runs, abort_half on the same engine")
     return p.parse_args()
 
 

@@ -259,13 +259,22 @@ def _tokens(sampled: list[dict]) -> list:
 
 @pytest.mark.slow
 def test_prefill_and_decode_instances_give_the_single_process_outputs(case, tmp_path):
-    """One launch, four layouts x two families: greedy and seeded sampling against the single process."""
+    """One launch, four layouts x two families: greedy and seeded sampling against the single process,
+    then half the requests aborted before their prefill."""
     layouts = LAYOUTS + composed(case)
     proc = torchrun(tmp_path, ["--nproc-per-node=3", "--standalone"],
-                    engine_args(case, layouts, "--sampled", json.dumps(SAMPLED)), script=ENGINE_WORKER)
+                    engine_args(case, layouts, "--sampled", json.dumps(SAMPLED), "--abort-half"), script=ENGINE_WORKER)
     assert proc.returncode == 0, output_tail(proc)
     reports = read_reports(tmp_path, 3)
     check_runs(case, reports, len(LAYOUTS) * len(FAMILIES) + len(layouts) - len(LAYOUTS))
+    # Then on each engine: every prompt added and every other one aborted at once (at its prefill
+    # instance's door, or awaited by its decode instance): the rest finish with the single process's
+    # tokens, the aborted return nothing, and every block on every rank is free again.
+    for i, run in enumerate(reports[0]["runs"]):
+        family = next(f for f, path in case.paths.items() if str(path) == run["model"])
+        expected = case.expected[oracle_key(family, run["layout"])]
+        assert run["aborted_run"] == {f"abort-{j}": expected[j] for j in range(1, len(expected), 2)}, run["layout"]
+        assert all(r["runs"][i]["blocks_free_after_abort"] for r in reports), run["layout"]
 
 
 @pytest.mark.slow

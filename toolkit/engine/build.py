@@ -34,6 +34,9 @@ class NoHooks:
     def add_request(self, engine, *args) -> None:
         engine._add_request(*args)
 
+    def abort(self, engine, request_id: str) -> None:
+        pass  # the engine's own abort ends what it holds
+
     def before_step(self, engine) -> None:
         pass
 

@@ -140,6 +140,7 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         from toolkit.scheduling import RequestStatus
 
+        self.hooks.abort(self, request_id)  # a disaggregated role's requests not in this engine (yet)
         group = self.outputs.groups.get(request_id)
         for child in list(group.children) if group else ():
             if child in self.outputs.tracked:

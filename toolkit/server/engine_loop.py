@@ -299,6 +299,9 @@ class EngineLoop:
         for request_id in batch.aborts:
             if request_id in self.engine.outputs.groups:
                 aborted.append(self._abort(request_id))
+            else:  # not in this engine (yet): a disaggregated role's to drop when its prefill is done
+                self.engine.abort_request(request_id)
+                self._sent.pop(request_id, None)
         return refused, [out for out in aborted if out is not None]
 
     def _abort(self, request_id: str) -> RequestOutput | None:

@@ -107,6 +107,25 @@ def test_sigint_while_starting_says_so_and_removes_the_lock(ckpt, tmp_path):
     assert not Path(f"{out}.lock").exists()
 
 
+def test_sigint_between_taking_the_lock_and_counting_the_input_says_how_far_the_output_got(ckpt, tmp_path, monkeypatch):
+    # In-process: the signal is real, sent while the run reads the model's fingerprint, after the output's
+    # lock is taken and before the input is counted (the window the subprocess test above can land in).
+    prompts, out = prompts_file(tmp_path, 12), tmp_path / "out.jsonl"
+    out.write_text('{"a": 1}\n{"b": 2}\n')  # two records a killed run left (fingerprinted or not: never read)
+
+    def fingerprint(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+        raise AssertionError("the signal did not interrupt the start")
+
+    monkeypatch.setattr("toolkit.cli.generate.fingerprint", fingerprint)
+    result = toolkit("generate", "-m", ckpt, *ENGINE_FLAGS, "-i", prompts, "-o", out)
+    assert result.exit_code == 130, result.output
+    assert result.stderr.strip() == (f"error: interrupted: 2 of 12 lines have records in {out}; rerun the same "
+                                     "command to resume")
+    assert not Path(f"{out}.lock").exists()
+
+
 def test_a_job_started_with_sigint_ignored_can_still_be_interrupted(ckpt, tmp_path):
     # As a script's `cmd &`, or a scheduler, starts it: SIGINT ignored from the start.
     prompts, out = prompts_file(tmp_path, LINES), tmp_path / "out.jsonl"

@@ -56,6 +56,8 @@ def main() -> None:
                 "spec_decode": stats.get("spec_decode"), "draft_runner": stats.get("draft_runner") is not None,
                 "kv_tiers": stats.get("kv_tiers"), "preemptions": stats["preemptions"],
                 "expert_parallel": stats.get("expert_parallel"),
+                "int8_linears": sum(type(m).__name__ in ("Int8Linear", "CPUInt8Linear")
+                                    for m in engine.runner.model.modules()),
                 "metrics": sorted({m.name for m in llm.get_metrics() if m.name.startswith("toolkit:disagg")}),
             })
             if args.abort_half:

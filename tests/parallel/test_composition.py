@@ -17,8 +17,8 @@ transformers' (checked here for every model). Three launches, several cases each
   parallelism over each stage's two TP ranks (chunked), and the GGUF file (each TP rank de-quantizes
   its rows, q/k's permuted ones, and its columns: 256-aligned K-quant blocks read alone, the others cut);
 - pp=2 x dp=2: a MoE model with expert parallelism over each stage's ranks in both replicas (which
-  step in lockstep, dummy plans through the pipeline), and the disk tier the first launch wrote,
-  read by these other processes (disk hits).
+  step in lockstep, dummy plans through the pipeline), the same with weight-only int8, and the disk
+  tier the first launch wrote, read by these other processes (disk hits).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def setup(tmp_path_factory):
         "int8_draft": (llama, {**CHUNKED, "quantization": "int8", "speculative_config": drafted}, None),
         "gguf_tp": (gguf, CHUNKED, None),
         "moe_ep_dp": (moe, {"enable_expert_parallel": True}, None),
+        "moe_int8_ep_dp": (moe, {"enable_expert_parallel": True, "quantization": "int8"}, None),
         "disk_read": (llama, {"kv_disk_cache_dir": str(disk), "kv_disk_cache_size": 0.01,
                               "enable_prefix_caching": True}, None),
     }
@@ -166,9 +167,11 @@ def test_pp2_x_tp2_with_a_draft_model_expert_parallel_moe_and_a_gguf_file(setup,
 
 
 def test_pp2_x_dp2_with_expert_parallel_moe_and_another_launchs_disk_tier(setup, pp2_reports, tmp_path_factory):
-    reports = launch(setup, tmp_path_factory.mktemp("pp2dp2"), ["moe_ep_dp", "disk_read"], 4, "--pp", "2",
-                     "--dp", "2")
+    reports = launch(setup, tmp_path_factory.mktemp("pp2dp2"), ["moe_ep_dp", "disk_read", "moe_int8_ep_dp"], 4,
+                     "--pp", "2", "--dp", "2")
     for rank, report in enumerate(reports):  # dp0: ranks 0 (stage 1), 1 (stage 2); dp1: ranks 2, 3
         ep = report["cases"]["moe_ep_dp"]["expert_parallel"]
         assert ep["ranks"] == 2 and ep["experts"] == [4 * (rank // 2), 4 * (rank // 2) + 4], rank
+        # int8 with EP, DP and PP: each stage's attention linears (and the last stage's lm_head) int8.
+        assert report["cases"]["moe_int8_ep_dp"]["int8_linears"] > 0, rank
     assert sum(r["cases"]["disk_read"]["kv_tiers"]["hit_blocks"]["disk"] for r in reports) > 0

@@ -115,7 +115,7 @@ P1_D2 = dict(prefill_instances=1, decode_instances=1, tensor_parallel_size=2, pr
 LAYOUTS = [P2_D1, P1_D2, dict(prefill_instances=1, decode_instances=2), dict(prefill_instances=2, decode_instances=1)]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 # The engine fields whose outputs the oracle must share (the others only say where KV lives).
-ORACLE_KEYS = ("speculative_config",)
+ORACLE_KEYS = ("speculative_config", "quantization")
 
 
 UNCHUNKED = {"max_num_batched_tokens": 2048}  # the launch's default is a 16-token budget (chunked prefill)
@@ -131,11 +131,13 @@ def composed(case) -> list[dict]:
     call's prompts, so the decode side finds their prefixes in its tier. The n-gram layout's prefill
     instance (tp=2) holds one request at a time (prefill_backlog=1): the rest wait at its door. A MoE
     model (mixtral) with expert parallelism: the TP-2 decode instance splits the experts over its two
-    ranks (all-to-all), the TP-1 prefill instance holds them all."""
+    ranks (all-to-all), the TP-1 prefill instance holds them all. Weight-only int8 on 1 prefill + 2
+    decode instances (one rank each), against the single int8 process."""
     llama = str(case.paths["llama3"])
     small = {**P2_D1, "model": llama, "kv_cache_memory_bytes": 6 * BLOCK}
     return [{**P2_D1, "model": llama, "speculative_config": NGRAM, "prefill_backlog": 1},
             {**P1_D2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
+            {"prefill_instances": 1, "decode_instances": 2, "model": llama, "quantization": "int8"},
             {**P1_D2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
             {**small, "kv_offloading_size": TIER_GIB},
             {**small, **UNCHUNKED, "kv_disk_cache_dir": str(case.root / "disk"), "kv_disk_cache_size": 0.01},
@@ -171,6 +173,7 @@ def case(tmp_path_factory):
     expected, sampled = {}, {}
     variants = [(f, {}) for f in (*FAMILIES, "mixtral")] + [("llama3", {"speculative_config": s})
                                                              for s in (NGRAM, drafted)]
+    variants.append(("llama3", {"quantization": "int8"}))
     for family, extra in variants:
         key = oracle_key(family, extra)
         expected[key], llm = oracle(paths[family], prompts, **extra)
@@ -234,6 +237,8 @@ def check_composed(layout: dict, runs: list[dict], roles: list[dict], where: str
             assert spec is None or spec["num_drafts"] > 0, (where, role)
             drafts_here = layout["speculative_config"]["method"] == "draft_model" and decode_first
             assert run["draft_runner"] == drafts_here, (where, role)
+        # Every linear int8 on both roles (2 layers x 4, and the lm_head), none otherwise.
+        assert run["int8_linears"] == (9 if layout.get("quantization") == "int8" else 0), (where, role)
         if layout.get("enable_expert_parallel"):  # each instance's experts over its own ranks
             ep, size = run["expert_parallel"], role["tp"]
             assert ep["ranks"] == size and ep["experts"] == [8 // size * role["tp_rank"], 8 // size * (role["tp_rank"] + 1)]

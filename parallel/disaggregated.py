@@ -482,11 +482,8 @@ class KVSender(_KVWorker):
         (`stalled`)."""
         while self._inflight and self._inflight[0][0].done():
             work, _, rid, dst, _ = self._inflight.popleft()
-            try:
+            with naming_peer(self.disagg, f"sending request {rid}'s KV to", dst):
                 work.result()
-            except (RuntimeError, dist.DistError) as exc:
-                raise RuntimeError(f"{self.disagg.describe(self.disagg.rank)}: sending request {rid}'s KV to "
-                                   f"{self.disagg.describe(dst)} failed: {exc}") from exc
             self._last_done = time.monotonic()
         return len(self._inflight)
 
@@ -524,12 +521,9 @@ class KVReceiver(_KVWorker):
     def _receive(self, rid: str, blocks: list[int], keep: bool) -> None:
         peer = self.peers_of(rid)
         start = time.perf_counter()
-        try:
+        with naming_peer(self.disagg, f"receiving request {rid}'s KV from", peer.ranks[0]):
             received = recv_kv(self.kv_caches, blocks, self.routes, self.disagg.tp_rank, peer.ranks,
                                tag=self.tag_of(rid), keep=keep)
-        except (RuntimeError, dist.DistError) as exc:
-            raise RuntimeError(f"{self.disagg.describe(self.disagg.rank)}: receiving request {rid}'s KV from prefill "
-                               f"instance {peer.index} (ranks {list(peer.ranks)}) failed: {exc}") from exc
         if keep:
             self.stats.transfers += 1
             self.stats.bytes += received

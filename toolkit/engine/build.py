@@ -14,13 +14,13 @@ from toolkit import backends
 from toolkit.config import EngineConfig, UnsupportedModelError, check_device, check_sliding_window, load_model_config
 from toolkit.engine.output_processor import OutputProcessor
 from toolkit.executor import build_executor
+from toolkit.front_end import build_front
 from toolkit.kv_hierarchy import build_kv_hierarchy, combine_kv_movers
 from toolkit.parallel import ParallelDims, build_parallel
 from toolkit.runner import ModelRunner
 from toolkit.sampler import Sampler
 from toolkit.scheduling import Scheduler, SchedulerConfig
 from toolkit.tokenizer import TOKENIZER_FILES, eos_token_ids, load_tokenizer
-from toolkit.front_end import build_front
 from toolkit.worker import Worker
 
 log = logging.getLogger("toolkit")

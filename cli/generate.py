@@ -53,27 +53,28 @@ class Ranks:
     dp: int = 1
     rank: int = 0
     pp: int = 1
-    # Disaggregated prefill/decode: prefill instances of prefill_tp (default tp) ranks, then decode
-    # instances of tp ranks; each decode instance's first rank writes its records.
+    # Disaggregated prefill/decode: prefill instances of prefill_pp x prefill_tp (default pp x tp) ranks,
+    # then decode instances of pp x tp ranks; each decode instance's first rank writes its records.
     prefill: int = 0
     decode: int = 0
     prefill_tp: int | None = None
+    prefill_pp: int | None = None
 
     @property
     def world(self) -> int:
         if self.prefill:
-            return self._first_decode + self.decode * self.tp
+            return self._first_decode + self.decode * self.tp * self.pp
         return self.tp * self.dp * self.pp
 
     @property
     def _first_decode(self) -> int:
-        return self.prefill * (self.prefill_tp or self.tp)
+        return self.prefill * (self.prefill_tp or self.tp) * (self.prefill_pp or self.pp)
 
     @property
     def decode_instance(self) -> int | None:
         """Disaggregated: the index of this rank's decode instance; None on a prefill rank."""
         first = self._first_decode
-        return (self.rank - first) // self.tp if self.prefill and self.rank >= first else None
+        return (self.rank - first) // (self.tp * self.pp) if self.prefill and self.rank >= first else None
 
     @property
     def shards(self) -> int:
@@ -91,7 +92,7 @@ class Ranks:
     @property
     def writer(self) -> bool:  # its replica's first rank (stage 0, TP rank 0): writes the replica's records
         if self.prefill:  # (disaggregated: its decode instance's first rank)
-            return self.decode_instance is not None and (self.rank - self._first_decode) % self.tp == 0
+            return self.decode_instance is not None and (self.rank - self._first_decode) % (self.tp * self.pp) == 0
         return self.rank % (self.tp * self.pp) == 0
 
     @property
@@ -177,6 +178,7 @@ def generate(
     prefill_instances: o.PrefillInstancesOpt = 0,
     decode_instances: o.DecodeInstancesOpt = 0,
     prefill_tp: o.PrefillTensorParallelOpt = None,
+    prefill_pp: o.PrefillPipelineParallelOpt = None,
     prefill_backlog: o.PrefillBacklogOpt = 64,
     verbose: o.VerboseOpt = False,
 ):
@@ -199,13 +201,15 @@ def generate(
         cpu_linear=cpu_linear, enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp,
         pp_layer_partition=pp_layer_partition, quantization=quantization,
     )
-    if prefill_instances or decode_instances or prefill_tp is not None:
+    if prefill_instances or decode_instances or prefill_tp is not None or prefill_pp is not None:
         engine.update(prefill_instances=prefill_instances, decode_instances=decode_instances,
-                      prefill_tensor_parallel_size=prefill_tp, prefill_backlog=prefill_backlog)
+                      prefill_tensor_parallel_size=prefill_tp, prefill_pipeline_parallel_size=prefill_pp,
+                      prefill_backlog=prefill_backlog)
     engine.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                               kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                               preemption_mode=preemption_mode))
-    ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp, prefill_instances, decode_instances, prefill_tp)
+    ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp, prefill_instances, decode_instances, prefill_tp,
+                  prefill_pp)
     with interruptible():  # SIGINT and SIGTERM: one line, and the output's lock removed (cli/interrupts.py)
         try:
             if speculative_config is not None:
@@ -216,8 +220,8 @@ def generate(
                 if "RANK" not in os.environ:
                     # Before starting tp x dp x pp processes that would all fail.
                     check_model_splits(model, tp, dp, enable_expert_parallel, pp, pp_layer_partition)
-                    if prefill_tp is not None:
-                        check_model_splits(model, prefill_tp)
+                    if prefill_tp is not None or prefill_pp is not None:
+                        check_model_splits(model, prefill_tp or tp, pp=prefill_pp or pp)
                 from toolkit.parallel import maybe_relaunch
 
                 relaunched = maybe_relaunch(ranks.world)  # outside torchrun: run this command as that many processes
@@ -267,17 +271,20 @@ def check_disaggregation(engine_args: dict) -> None:
     from toolkit.config import EngineConfig
 
     fields = {k: engine_args[k] for k in ("prefill_instances", "decode_instances", "prefill_tensor_parallel_size",
+                                          "prefill_pipeline_parallel_size",
                                           "data_parallel_size", "pipeline_parallel_size", "speculative_config",
                                           "kv_offloading_size", "kv_disk_cache_dir", "enable_expert_parallel")
               if k in engine_args}
     if not fields.get("prefill_instances") and not fields.get("decode_instances") \
-            and fields.get("prefill_tensor_parallel_size") is None:
+            and fields.get("prefill_tensor_parallel_size") is None \
+            and fields.get("prefill_pipeline_parallel_size") is None:
         return
     try:
         EngineConfig(model="-", **fields)
     except ValueError as e:
         names = {"prefill_instances": "--prefill-instances", "decode_instances": "--decode-instances",
                  "prefill_tensor_parallel_size": "--prefill-tp", "data_parallel_size": "--dp",
+                 "prefill_pipeline_parallel_size": "--prefill-pp",
                  "pipeline_parallel_size": "--pp", "speculative_config": "--speculative-config",
                  "kv_offloading_size": "--kv-offloading-size", "kv_disk_cache_dir": "--kv-disk-cache-dir",
                  "enable_expert_parallel": "--enable-expert-parallel"}

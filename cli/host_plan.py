@@ -55,6 +55,7 @@ class InstanceRow:
     role: str
     instances: int
     tp: int
+    pp: int
     processes: int  # of all this role's instances
     weight_bytes_per_process: int
     kv_bytes_per_process: int
@@ -67,20 +68,23 @@ class InstanceRow:
 
 def disaggregated_plan(config: ModelConfig, dtype: torch.dtype, prefill: int, decode: int, prefill_tp: int,
                        decode_tp: int, block_size: int, max_num_seqs: int, max_model_len: int,
-                       max_request_tokens: int | None, available: int | None = None) -> dict:
-    """P prefill instances of prefill_tp processes and D decode instances of decode_tp, all on this host."""
+                       max_request_tokens: int | None, available: int | None = None, prefill_pp: int = 1,
+                       decode_pp: int = 1) -> dict:
+    """P prefill instances of prefill_pp x prefill_tp processes and D decode instances of decode_pp x
+    decode_tp, all on this host."""
     available = available_memory_bytes("cpu") if available is None else available
-    world = prefill * prefill_tp + decode * decode_tp
+    world = prefill * prefill_pp * prefill_tp + decode * decode_pp * decode_tp
     tokens = request_tokens(max_model_len, max_request_tokens)
     rows = []
-    for role, count, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp)):
-        per_token = kv_cache_bytes_per_token(config.num_layers, math.ceil(config.num_kv_heads / tp), config.head_dim,
-                                             dtype)
+    for role, count, tp, pp in (("prefill", prefill, prefill_tp, prefill_pp), ("decode", decode, decode_tp, decode_pp)):
+        # The busiest stage's share of the layers, and the TP rank's of the heads.
+        per_token = kv_cache_bytes_per_token(math.ceil(config.num_layers / pp), math.ceil(config.num_kv_heads / tp),
+                                             config.head_dim, dtype)
         sizing = KVSizing(per_token, block_size, max_num_seqs, tokens, world)
         blocks = sizing.num_blocks(sizing.budget(available, CPU_FRACTION))
-        weights = config.num_parameters * dtype.itemsize // tp
-        rows.append(InstanceRow(role, count, tp, count * tp, weights, blocks * sizing.block_bytes, blocks * block_size,
-                                weights + sizing.min_bytes))
+        weights = config.num_parameters * dtype.itemsize // (tp * pp)
+        rows.append(InstanceRow(role, count, tp, pp, count * tp * pp, weights, blocks * sizing.block_bytes,
+                                blocks * block_size, weights + sizing.min_bytes))
     total = sum(r.processes * (r.weight_bytes_per_process + r.kv_bytes_per_process) for r in rows)
     minimum = sum(r.processes * r.min_bytes_per_process for r in rows)
     return {"available_bytes": available, "kv_cache_memory_fraction": CPU_FRACTION, "max_num_seqs": max_num_seqs,
@@ -94,8 +98,9 @@ def format_disaggregated(plan: dict) -> str:
     fits = "fits" if plan["fits"] else f"does not fit: needs {format_size(plan['min_total_bytes'])}"
     title = (f"Disaggregated on this host ({plan['processes']} processes, {format_size(plan['total_bytes'])} in "
              f"all of {format_size(plan['available_bytes'])} available: {fits}):")
-    header = ["role", "instances", "TP", "processes", "weights/process", "KV cache/process", "KV tokens/instance"]
-    rows = [[r["role"], str(r["instances"]), str(r["tp"]), str(r["processes"]), format_size(r["weight_bytes_per_process"]),
+    header = ["role", "instances", "TP", "PP", "processes", "weights/process", "KV cache/process", "KV tokens/instance"]
+    rows = [[r["role"], str(r["instances"]), str(r["tp"]), str(r["pp"]), str(r["processes"]),
+             format_size(r["weight_bytes_per_process"]),
              format_size(r["kv_bytes_per_process"]), f"{r['kv_tokens_per_instance']:,}"] for r in plan["rows"]]
     widths = [max(len(c) for c in column) for column in zip(header, *rows)]
     return "\n".join([title, *("  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in (header, *rows))])

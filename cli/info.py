@@ -40,11 +40,13 @@ def info(
     pp: Annotated[Optional[int], typer.Option("--pp", min=1, show_default=False, help="See --tp.")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", min=1, show_default=False, help="See --tp.")] = None,
     prefill_instances: Annotated[int, typer.Option(
-        min=0, help="With --decode-instances: a disaggregated layout's host table, per role (--tp: the decode "
-                    "instances' TP size).")] = 0,
+        min=0, help="With --decode-instances: a disaggregated layout's host table, per role (--tp, --pp: the "
+                    "decode instances' shape).")] = 0,
     decode_instances: Annotated[int, typer.Option(min=0, help="See --prefill-instances.")] = 0,
     prefill_tp: Annotated[Optional[int], typer.Option(
         min=1, show_default=False, help="TP size of the prefill instances. Default: --tp.")] = None,
+    prefill_pp: Annotated[Optional[int], typer.Option(
+        min=1, show_default=False, help="Pipeline stages of the prefill instances. Default: --pp.")] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Requests at once, for the host table.")] = 256,
     max_request_tokens: Annotated[Optional[int], typer.Option(
         min=1, show_default=False, help="The workload's longest request (prompt + output tokens), for the host "
@@ -76,8 +78,9 @@ def info(
             if not (prefill_instances and decode_instances):
                 raise CliError("--prefill-instances and --decode-instances go together (at least one of each)")
             report["disaggregated"] = _disaggregated(model, dtype, prefill_instances, decode_instances,
-                                                     prefill_tp or tp or 1, tp or 1, block_size, max_num_seqs,
-                                                     max_model_len, max_request_tokens)
+                                                     (prefill_pp or pp or 1, prefill_tp or tp or 1),
+                                                     (pp or 1, tp or 1), block_size, max_num_seqs, max_model_len,
+                                                     max_request_tokens)
     except CliError as e:
         exit_with(e)
     if as_json:
@@ -90,21 +93,27 @@ def info(
                             highlight=False)
 
 
-def _disaggregated(model: Path, dtype: str, prefill: int, decode: int, prefill_tp: int, decode_tp: int,
-                   block_size: int, max_num_seqs: int, max_model_len: int | None, max_request_tokens: int | None) -> dict:
+def _disaggregated(model: Path, dtype: str, prefill: int, decode: int, prefill_shape: tuple[int, int],
+                   decode_shape: tuple[int, int], block_size: int, max_num_seqs: int, max_model_len: int | None,
+                   max_request_tokens: int | None) -> dict:
+    """Each role's host row; its (pp, tp) shape checked against the model's layers and heads."""
     from toolkit.config import load_model_config, resolve_dtype
     from toolkit.parallel import ParallelConfigError
+    from toolkit.parallel.pipeline import layer_partition
     from toolkit.parallel.tensor_parallel import check_tensor_parallel
 
     config = load_model_config(model)
-    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+    for role, (pp, tp) in (("prefill", prefill_shape), ("decode", decode_shape)):
         try:
             check_tensor_parallel(config, tp)
+            layer_partition(config.num_layers, pp)
         except ParallelConfigError as e:
             raise CliError(f"{role} instances: {e}") from None
+    (ppp, ptp), (dpp, dtp) = prefill_shape, decode_shape
     return host_plan.disaggregated_plan(config, resolve_dtype(dtype, config.checkpoint_dtype), prefill, decode,
-                                        prefill_tp, decode_tp, block_size, max_num_seqs,
-                                        max_model_len or config.max_position_embeddings, max_request_tokens)
+                                        ptp, dtp, block_size, max_num_seqs,
+                                        max_model_len or config.max_position_embeddings, max_request_tokens,
+                                        prefill_pp=ppp, decode_pp=dpp)
 
 
 def build_report(path: Path, budgets: list[int], dtype: str, max_model_len: int | None, block_size: int) -> dict:

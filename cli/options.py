@@ -163,10 +163,14 @@ PrefillInstancesOpt = Annotated[int, typer.Option(
 DecodeInstancesOpt = Annotated[int, typer.Option(
     "--decode-instances", min=0, rich_help_panel=PARALLEL,
     help="Disaggregated prefill/decode: instances that receive the prompts' KV and decode (generate: each "
-         "writes OUTPUT.dpI-of-N, merged into OUTPUT at the end). World = prefill x prefill tp + decode x tp.")]
+         "writes OUTPUT.dpI-of-N, merged into OUTPUT at the end). Each is --pp x --tp processes; world = "
+         "prefill x prefill pp x prefill tp + decode x pp x tp.")]
 PrefillTensorParallelOpt = Annotated[Optional[int], typer.Option(
     "--prefill-tp", "--prefill-tensor-parallel-size", min=1, rich_help_panel=PARALLEL, show_default=False,
-    help="Processes per prefill instance, when not --tp (the KV heads are re-split on the way).")]
+    help="TP size of the prefill instances, when not --tp (the KV heads are re-split on the way).")]
+PrefillPipelineParallelOpt = Annotated[Optional[int], typer.Option(
+    "--prefill-pp", "--prefill-pipeline-parallel-size", min=1, rich_help_panel=PARALLEL, show_default=False,
+    help="Pipeline stages of the prefill instances, when not --pp (each decode stage receives its own layers' KV).")]
 PrefillBacklogOpt = Annotated[int, typer.Option(
     "--prefill-backlog", min=1, rich_help_panel=PARALLEL,
     help="Requests a prefill instance holds at once, computing or with their KV waiting for the decode side; "

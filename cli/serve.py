@@ -72,6 +72,7 @@ def serve(
     prefill_instances: o.PrefillInstancesOpt = 0,
     decode_instances: o.DecodeInstancesOpt = 0,
     prefill_tp: o.PrefillTensorParallelOpt = None,
+    prefill_pp: o.PrefillPipelineParallelOpt = None,
     prefill_backlog: o.PrefillBacklogOpt = 64,
     pp_layer_partition: o.PipelinePartitionOpt = None,
     enable_expert_parallel: o.ExpertParallelOpt = False,
@@ -95,10 +96,12 @@ def serve(
     engine_args.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                                    kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                                    preemption_mode=preemption_mode))
-    if prefill_instances or decode_instances or prefill_tp is not None:
+    if prefill_instances or decode_instances or prefill_tp is not None or prefill_pp is not None:
         engine_args.update(prefill_instances=prefill_instances, decode_instances=decode_instances,
-                           prefill_tensor_parallel_size=prefill_tp, prefill_backlog=prefill_backlog)
-    ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp, prefill_instances, decode_instances, prefill_tp)
+                           prefill_tensor_parallel_size=prefill_tp, prefill_pipeline_parallel_size=prefill_pp,
+                           prefill_backlog=prefill_backlog)
+    ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp, prefill_instances, decode_instances, prefill_tp,
+                  prefill_pp)
     world, rank = ranks.world, ranks.rank
     name = served_model_name or str(model or "toolkit-default")
     try:
@@ -108,8 +111,8 @@ def serve(
         if world > 1:
             if "RANK" not in os.environ:
                 check_model_splits(model, tp, dp, enable_expert_parallel, pp, pp_layer_partition)
-                if prefill_tp is not None:
-                    check_model_splits(model, prefill_tp)
+                if prefill_tp is not None or prefill_pp is not None:
+                    check_model_splits(model, prefill_tp or tp, pp=prefill_pp or pp)
             from toolkit.parallel import maybe_relaunch
 
             code = maybe_relaunch(world)

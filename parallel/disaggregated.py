@@ -6,15 +6,19 @@ workers `KVSender`, `KVReceiver` that carry out the step plans of scheduling/dis
 the control plane (`ControlPlane`): small messages on a gloo group saying a request's KV is ready,
 that a decode instance is alive, and that it is done.
 
-Layout: the world is P prefill instances of `prefill_tp` ranks, then D decode instances of `tp`
-ranks, each instance consecutive ranks (one node's devices, as TP wants).
+Layout: the world is P prefill instances of `prefill_pp` x `prefill_tp` ranks, then D decode
+instances of `decode_pp` x `decode_tp` ranks, each instance consecutive ranks, stage-major (a stage's TP
+ranks consecutive: one node's devices, as TP wants), as a data-parallel replica's are
+(parallel/dims.py).
 
 KV heads under TP (parallel/tensor_parallel.py::kv_heads): with at least as many kv heads as ranks,
 rank r of t holds heads [r * H / t, (r + 1) * H / t); with fewer, each rank holds one, head
 r // (t / H) (the heads are copied). When the two sides' TP sizes differ, each decode rank takes each of its
 heads from the first prefill rank that holds it: the transfer plan (`transfer_plan`) lists, per
 (prefill rank, decode rank) pair, the heads that go between them, so a shard is re-split (or
-gathered) on the way and every head crosses once per decode rank that needs it.
+gathered) on the way and every head crosses once per decode rank that needs it. When the two sides'
+pipeline stages differ, a route also names the layers the two ranks' stages share: a prefill stage
+sends each decode stage only that stage's layers, the rest of its cache from another prefill stage.
 
 Messages: the KV of a request goes on the default group (NCCL on GPUs) with the request's own tag,
 so a decode instance may take requests in any order on gloo. NCCL ignores tags: there a pair's
@@ -51,47 +55,75 @@ ROLES = ("prefill", "decode")
 class Instance:
     role: str
     index: int  # among the instances of its role
-    ranks: range  # global ranks, consecutive
+    ranks: range  # global ranks, consecutive, stage-major
+    tp: int = 0  # ranks per pipeline stage (0: all of them, one stage)
+
+    def __post_init__(self):
+        if not self.tp:
+            object.__setattr__(self, "tp", len(self.ranks))
 
     @property
-    def tp(self) -> int:
+    def pp(self) -> int:
+        return len(self.ranks) // self.tp
+
+    @property
+    def size(self) -> int:
         return len(self.ranks)
+
+    def shape(self) -> str:
+        return f"pp {self.pp} x tp {self.tp}" if self.pp > 1 else f"tp {self.tp}"
 
 
 @dataclass(frozen=True)
 class DisaggLayout:
-    """P prefill instances of `prefill_tp` ranks, then D decode instances of `decode_tp` ranks."""
+    """P prefill instances of `prefill_pp` x `prefill_tp` ranks, then D decode instances of `decode_pp`
+    x `decode_tp` ranks."""
 
     prefill_instances: int
     decode_instances: int
     decode_tp: int = 1
     prefill_tp: int | None = None  # None: decode_tp
+    decode_pp: int = 1
+    prefill_pp: int | None = None  # None: decode_pp
 
     def __post_init__(self):
-        for name in ("prefill_instances", "decode_instances", "decode_tp"):
+        for name in ("prefill_instances", "decode_instances", "decode_tp", "decode_pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ParallelConfigError(f"{name} must be an integer >= 1, got {value!r}")
         ptp = self.prefill_tp
         if ptp is not None and (not isinstance(ptp, int) or isinstance(ptp, bool) or ptp < 1):
             raise ParallelConfigError(f"prefill_tensor_parallel_size must be an integer >= 1, got {ptp!r}")
+        ppp = self.prefill_pp
+        if ppp is not None and (not isinstance(ppp, int) or isinstance(ppp, bool) or ppp < 1):
+            raise ParallelConfigError(f"prefill_pipeline_parallel_size must be an integer >= 1, got {ppp!r}")
 
     @property
     def prefill_size(self) -> int:
+        """TP ranks of a prefill instance's stage."""
         return self.prefill_tp or self.decode_tp
 
     @property
+    def prefill_stages(self) -> int:
+        return self.prefill_pp or self.decode_pp
+
+    def shape(self, role: str) -> tuple[int, int]:
+        """(pp, tp) of the role's instances."""
+        return (self.prefill_stages, self.prefill_size) if role == "prefill" else (self.decode_pp, self.decode_tp)
+
+    @property
     def world_size(self) -> int:
-        return self.prefill_instances * self.prefill_size + self.decode_instances * self.decode_tp
+        return sum(count * pp * tp for count, (pp, tp) in ((self.prefill_instances, self.shape("prefill")),
+                                                          (self.decode_instances, self.shape("decode"))))
 
     @property
     def instances(self) -> list[Instance]:
         out, start = [], 0
-        for role, count, tp in (("prefill", self.prefill_instances, self.prefill_size),
-                                ("decode", self.decode_instances, self.decode_tp)):
+        for role, count in (("prefill", self.prefill_instances), ("decode", self.decode_instances)):
+            pp, tp = self.shape(role)
             for i in range(count):
-                out.append(Instance(role, i, range(start, start + tp)))
-                start += tp
+                out.append(Instance(role, i, range(start, start + pp * tp), tp))
+                start += pp * tp
         return out
 
     def instance_of(self, rank: int) -> Instance:
@@ -100,24 +132,55 @@ class DisaggLayout:
     def check(self, world_size: int) -> None:
         """A clear error, before anything loads, when the launch does not have exactly this many ranks."""
         if world_size != self.world_size:
+            (ppp, ptp), (dpp, dtp) = self.shape("prefill"), self.shape("decode")
             raise ParallelConfigError(
-                f"{self.prefill_instances} prefill instance(s) x {self.prefill_size} ranks + {self.decode_instances} "
-                f"decode instance(s) x {self.decode_tp} ranks = {self.world_size} processes, but this launch has "
+                f"{self.prefill_instances} prefill instance(s) x {ppp * ptp} ranks + {self.decode_instances} "
+                f"decode instance(s) x {dpp * dtp} ranks = {self.world_size} processes, but this launch has "
                 f"a world size of {world_size}")
 
 
 @dataclass(frozen=True)
 class HeadRoute:
-    """Heads that go from one prefill TP rank to one decode TP rank: where they sit in each cache."""
+    """Heads (of some layers) that go from one prefill rank to one decode rank: where they sit in each
+    rank's caches."""
 
-    prefill_rank: int  # TP rank within the prefill instance
-    decode_rank: int  # TP rank within the decode instance
+    prefill_rank: int  # rank within the prefill instance (stage * tp + TP rank)
+    decode_rank: int  # rank within the decode instance
     src: slice  # positions in the prefill rank's cache's head dim
     dst: slice  # positions in the decode rank's cache's head dim
+    # The prefill rank's caches (its stage's layers) that go, and the decode rank's caches they go into.
+    src_layers: slice = field(default_factory=lambda: slice(None))
+    dst_layers: slice = field(default_factory=lambda: slice(None))
 
 
-def transfer_plan(prefill_tp: int, decode_tp: int, num_kv_heads: int) -> list[HeadRoute]:
-    """Every decode rank's heads, each from the first prefill rank holding it, as contiguous runs."""
+def transfer_plan(prefill_tp: int, decode_tp: int, num_kv_heads: int, prefill_layers: list[int] | None = None,
+                  decode_layers: list[int] | None = None) -> list[HeadRoute]:
+    """Every decode rank's heads, each from the first prefill TP rank holding it, as contiguous runs;
+    with pipeline stages (`*_layers`: layers per stage of each side, both or neither), every layer of
+    a decode rank's stage from the prefill stage holding it."""
+    heads = _head_routes(prefill_tp, decode_tp, num_kv_heads)
+    if prefill_layers is None and decode_layers is None:
+        return heads
+    if prefill_layers is None or decode_layers is None or sum(prefill_layers) != sum(decode_layers):
+        raise ValueError(f"layers per stage {prefill_layers} and {decode_layers}: give both sides', of one model")
+    routes = []
+    for ds, (c, e) in enumerate(_stage_bounds(decode_layers)):
+        for d in range(decode_tp):
+            for ps, (a, b) in enumerate(_stage_bounds(prefill_layers)):
+                lo, hi = max(a, c), min(b, e)
+                if lo < hi:  # the layers these two stages share
+                    routes += [HeadRoute(ps * prefill_tp + r.prefill_rank, ds * decode_tp + d, r.src, r.dst,
+                                         slice(lo - a, hi - a), slice(lo - c, hi - c))
+                               for r in heads if r.decode_rank == d]
+    return routes
+
+
+def _stage_bounds(sizes: list[int]) -> list[tuple[int, int]]:
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(start, start + n) for start, n in zip(starts, sizes)]
+
+
+def _head_routes(prefill_tp: int, decode_tp: int, num_kv_heads: int) -> list[HeadRoute]:
     routes = []
     for d in range(decode_tp):
         wanted = kv_heads(d, decode_tp, num_kv_heads)
@@ -133,27 +196,28 @@ def transfer_plan(prefill_tp: int, decode_tp: int, num_kv_heads: int) -> list[He
     return routes
 
 
-def send_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], tp_rank: int,
+def send_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], local_rank: int,
             decode_ranks: range, group=None, tag: int = 0) -> list:
-    """On a prefill rank: start sending the request's `blocks` of every layer to the decode ranks the
-    plan names, one message per route holding every layer ([layers, 2, blocks, block_size, heads,
+    """On a prefill rank (`local_rank` within its instance): start sending the request's `blocks` to
+    the decode ranks the plan names, one message per route holding its layers ([layers, 2, blocks, block_size, heads,
     head_dim]): on gloo each message is a rendezvous that may wait for the sending process's
     transport thread to get a time slice, so one per layer would cost that once per layer.
     Returns the (work, tensor, decode rank) triples; the tensors must stay alive until the works complete."""
     index = torch.tensor(blocks, dtype=torch.int64, device=kv_caches[0].device)
     sends = []
-    for route in (r for r in routes if r.prefill_rank == tp_rank):
-        part = torch.stack([cache.index_select(1, index)[:, :, :, route.src] for cache in kv_caches])
+    for route in (r for r in routes if r.prefill_rank == local_rank):
+        part = torch.stack([cache.index_select(1, index)[:, :, :, route.src] for cache in kv_caches[route.src_layers]])
         dst = decode_ranks[route.decode_rank]
         sends.append((dist.isend(part, dst=dst, group=group, tag=tag), part, dst))
     return sends
 
 
-def recv_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], tp_rank: int,
+def recv_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], local_rank: int,
             prefill_ranks: range, group=None, tag: int = 0, keep: bool = True) -> int:
-    """On a decode rank: receive the request's KV into its own `blocks` (as many as the sender's, in
-    the same order; -1 for a block this rank already holds, received and dropped), each route's heads
-    of every layer into their place in this rank's cache; with `keep=False` receive as many blocks
+    """On a decode rank (`local_rank` within its instance): receive the request's KV into its own
+    `blocks` (as many as the sender's, in the same order; -1 for a block this rank already holds,
+    received and dropped), each route's heads of its layers into their place in this rank's caches;
+    with `keep=False` receive as many blocks
     and drop them all. Returns the bytes received."""
     first = kv_caches[0]
     kept = [i for i, b in enumerate(blocks) if b >= 0] if keep else []
@@ -161,14 +225,15 @@ def recv_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadR
     index = torch.tensor([blocks[i] for i in kept], dtype=torch.int64, device=first.device)
     positions = torch.tensor(kept, dtype=torch.int64, device=first.device)
     received = 0
-    for route in (r for r in routes if r.decode_rank == tp_rank):
+    for route in (r for r in routes if r.decode_rank == local_rank):
         heads = route.dst.stop - route.dst.start
-        part = torch.empty((len(kv_caches), 2, len(blocks), first.shape[2], heads, first.shape[4]), dtype=first.dtype,
+        layers = kv_caches[route.dst_layers]
+        part = torch.empty((len(layers), 2, len(blocks), first.shape[2], heads, first.shape[4]), dtype=first.dtype,
                            device=first.device)
         dist.recv(part, src=prefill_ranks[route.prefill_rank], group=group, tag=tag)
         received += part.numel() * part.element_size()
         if keep:
-            for cache, layer in zip(kv_caches, part):
+            for cache, layer in zip(layers, part):
                 cache[:, :, :, route.dst].index_copy_(1, index, layer.index_select(1, positions))
     return received
 
@@ -209,14 +274,25 @@ class Disaggregation:
     control_group: object  # gloo, every rank: the control plane's messages
     instance_group: object  # gloo, this instance's ranks: a decode instance's arrivals
     gather_group: object  # gloo, every rank, a long timeout: the outputs at the end of a call
+    # Layers per pipeline stage of each role's instances (None: one stage each, every layer)
+    layers: dict[str, list[int]] | None = None
 
     @property
     def rank(self) -> int:
         return dist.get_rank()
 
     @property
-    def tp_rank(self) -> int:
+    def local_rank(self) -> int:
+        """This rank within its instance (0: the instance's first rank, which speaks for it)."""
         return self.rank - self.instance.ranks.start
+
+    @property
+    def tp_rank(self) -> int:
+        return self.local_rank % self.instance.tp
+
+    @property
+    def stage(self) -> int:
+        return self.local_rank // self.instance.tp
 
     @property
     def role(self) -> str:
@@ -227,58 +303,107 @@ class Disaggregation:
 
     def describe(self, rank: int) -> str:
         inst = self.layout.instance_of(rank)
-        return f"rank {rank} ({inst.role} instance {inst.index}, TP rank {rank - inst.ranks.start} of {inst.tp})"
+        local = rank - inst.ranks.start
+        stage = f"stage {local // inst.tp} of {inst.pp}, " if inst.pp > 1 else ""
+        return f"rank {rank} ({inst.role} instance {inst.index}, {stage}TP rank {local % inst.tp} of {inst.tp})"
+
+    def routes(self, num_kv_heads: int) -> list[HeadRoute]:
+        """Which heads and layers go between which ranks of a prefill and a decode instance."""
+        layers = self.layers or {}
+        return transfer_plan(self.layout.prefill_size, self.layout.decode_tp, num_kv_heads, layers.get("prefill"),
+                             layers.get("decode"))
 
 
-def setup_disaggregated(layout: DisaggLayout, device, model_config, expert_parallel: bool = False):
+def setup_disaggregated(layout: DisaggLayout, device, model_config, expert_parallel: bool = False,
+                        pp_layer_partition: str | None = None):
     """Join the process group as one rank of `layout` (checked against the world, and each role's TP
-    size against the model, before anything is waited for); returns (ParallelState of this rank's
-    instance: a (1, 1, tp) mesh of its ranks, Disaggregation). With `expert_parallel` (a MoE model)
-    each instance splits its experts over its own ranks, as a colocated TP group does."""
-    from toolkit.parallel.distributed import (GATHER_TIMEOUT, MESH_DIM_NAMES, ParallelState, _init_process_group,
-                                              _log_rank0_only, launched_world_size, local_device)
-    from toolkit.parallel.expert_parallel import ExpertParallel, check_expert_parallel, num_experts
-    from toolkit.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
-    from torch.distributed.device_mesh import DeviceMesh
+    and pipeline sizes against the model, before anything is waited for); returns (ParallelState of
+    this rank's instance: a (1, pp, tp) mesh of its ranks, Disaggregation). With `expert_parallel` (a
+    MoE model) each instance's stage splits its experts over that stage's ranks, as a colocated TP
+    group does. `pp_layer_partition` is the decode instances' split (the prefill side's is the default)."""
+    from toolkit.parallel.distributed import (GATHER_TIMEOUT, ParallelState, _init_process_group, _log_rank0_only,
+                                              launched_world_size, local_device)
+    from toolkit.parallel.expert_parallel import num_experts
 
     if expert_parallel and num_experts(model_config) is None:
         log.warning("enable_expert_parallel: %s has no routed experts; ignored", getattr(model_config, "path", "the model"))
         expert_parallel = False
-    for role, tp in (("prefill", layout.prefill_size), ("decode", layout.decode_tp)):
-        try:
-            check_tensor_parallel(model_config, tp, expert_parallel=expert_parallel)
-            if expert_parallel:
-                check_expert_parallel(model_config, tp)
-        except ParallelConfigError as e:
-            raise ParallelConfigError(f"{role} instances: {e}") from None
+    layers = {role: _check_role(layout, role, model_config, expert_parallel,
+                                pp_layer_partition if role == "decode" else None) for role in ROLES}
     world = launched_world_size()
     layout.check(world)
     device = local_device(device)
     _init_process_group(device, world)
     rank = dist.get_rank()
     mine = layout.instance_of(rank)
-    mesh = instance_group = ep_group = None
     # Every rank takes part in creating every instance's groups, in the same order.
-    for inst in layout.instances:
-        m = DeviceMesh(device.type, torch.tensor(list(inst.ranks)).view(1, 1, inst.tp), mesh_dim_names=MESH_DIM_NAMES)
-        g = dist.new_group(list(inst.ranks), backend="gloo", timeout=dist_timeout())
-        e = dist.new_group(list(inst.ranks), backend="gloo" if device.type == "cpu" else None,
-                           timeout=dist_timeout()) if expert_parallel else None
-        if inst == mine:
-            mesh, instance_group, ep_group = m, g, e
+    built = [_instance_groups(inst, device, expert_parallel) for inst in layout.instances]
+    mesh, instance_group, pipeline, ep_group = built[layout.instances.index(mine)]
     control = dist.new_group(backend="gloo", timeout=dist_timeout())
     gather = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
     _log_rank0_only()
-    tp = TensorParallel(mesh["tp"], model_config, device, expert_parallel=expert_parallel) if mine.tp > 1 else None
-    dims = ParallelDims(tp=mine.tp, expert_parallel=expert_parallel)  # one instance's degrees
-    state = ParallelState(mesh, device, tp, None, dims=dims)
-    if expert_parallel:
-        state.ep = ExpertParallel(model_config, tp_group=tp.group if tp else None, tp_rank=rank - mine.ranks.start,
+    disagg = Disaggregation(layout, mine, control, instance_group, gather, layers if layout.shape("prefill")[0] > 1
+                            or layout.decode_pp > 1 else None)
+    dims = ParallelDims(pp=mine.pp, tp=mine.tp, expert_parallel=expert_parallel)  # one instance's degrees
+    state = ParallelState(mesh, device, None, None, dims=dims)
+    _instance_parts(state, disagg, pipeline, ep_group, model_config, layers[mine.role])
+    log.info("disaggregated: %d prefill instance(s) of %s + %d decode instance(s) of %s, backend %s",
+             layout.prefill_instances, layout.instances[0].shape(), layout.decode_instances,
+             layout.instances[-1].shape(), dist.get_backend())
+    return state, disagg
+
+
+def _check_role(layout: DisaggLayout, role: str, model_config, expert_parallel: bool, partition) -> list[int]:
+    """The role's instance shape against the model (heads, experts, layers); its layers per stage."""
+    from toolkit.parallel.expert_parallel import check_expert_parallel
+    from toolkit.parallel.pipeline import head_layers, layer_partition
+    from toolkit.parallel.tensor_parallel import check_tensor_parallel
+
+    pp, tp = layout.shape(role)
+    try:
+        check_tensor_parallel(model_config, tp, expert_parallel=expert_parallel)
+        if expert_parallel:
+            check_expert_parallel(model_config, tp)
+        return layer_partition(model_config.num_layers, pp, partition, head_layers(model_config) if pp > 1 else 0.0)
+    except ParallelConfigError as e:
+        raise ParallelConfigError(f"{role} instances: {e}") from None
+
+
+def _instance_groups(inst: Instance, device, expert_parallel: bool) -> tuple:
+    """One instance's mesh, arrivals group, pipeline groups and (this rank's stage's) expert group:
+    collectives of every rank, whichever instance it is in."""
+    from toolkit.parallel.distributed import MESH_DIM_NAMES
+    from toolkit.parallel.pipeline import replica_groups
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh(device.type, torch.tensor(list(inst.ranks)).view(1, inst.pp, inst.tp),
+                      mesh_dim_names=MESH_DIM_NAMES)
+    group = dist.new_group(list(inst.ranks), backend="gloo", timeout=dist_timeout())
+    pipeline = replica_groups([list(inst.ranks)], dist_timeout()) if inst.pp > 1 else None
+    ep = None
+    for stage in range(inst.pp) if expert_parallel else ():
+        ranks = list(inst.ranks[stage * inst.tp:(stage + 1) * inst.tp])
+        g = dist.new_group(ranks, backend="gloo" if device.type == "cpu" else None, timeout=dist_timeout())
+        if dist.get_rank() in ranks:
+            ep = g
+    return mesh, group, pipeline, ep
+
+
+def _instance_parts(state, disagg: Disaggregation, pipeline, ep_group, model_config, stage_sizes) -> None:
+    """This rank's TP, pipeline and expert-parallel helpers, as a colocated replica of the instance's shape has."""
+    from toolkit.parallel.expert_parallel import ExpertParallel
+    from toolkit.parallel.pipeline import PipelineParallel, StageSplit
+    from toolkit.parallel.tensor_parallel import TensorParallel
+
+    mine, dims = disagg.instance, state.dims
+    if mine.tp > 1:
+        state.tp = TensorParallel(state.mesh["tp"], model_config, state.device, expert_parallel=dims.expert_parallel)
+    if mine.pp > 1:
+        stage = StageSplit.of(disagg.stage, stage_sizes, bool(model_config.tie_word_embeddings))
+        state.pp = PipelineParallel(state.mesh, stage, pipeline, mine.tp)
+    if dims.expert_parallel:
+        state.ep = ExpertParallel(model_config, tp_group=state.tp.group if state.tp else None, tp_rank=disagg.tp_rank,
                                   tp_size=mine.tp, group=ep_group)
-    log.info("disaggregated: %d prefill instance(s) x %d ranks + %d decode instance(s) x %d ranks, backend %s",
-             layout.prefill_instances, layout.prefill_size, layout.decode_instances, layout.decode_tp,
-             dist.get_backend())
-    return state, Disaggregation(layout, mine, control, instance_group, gather)
 
 
 # --- the control plane ---------------------------------------------------------------------------
@@ -420,7 +545,7 @@ class _KVWorker:
                  peers_of, tag_of, waiter: SendWaiter | None = None):
         self.kv_caches = kv_caches
         self.disagg = disagg
-        self.routes = transfer_plan(disagg.layout.prefill_size, disagg.layout.decode_tp, num_kv_heads)
+        self.routes = disagg.routes(num_kv_heads)
         self.peers_of = peers_of  # request id -> the other side's instance (its ranks)
         self.tag_of = tag_of  # request id -> its tag
         self.waiter = waiter
@@ -470,7 +595,7 @@ class KVSender(_KVWorker):
             self.stats.transfers += 1
             peer = self.peers_of(rid)
             with naming_peer(self.disagg, f"sending request {rid}'s KV to", peer.ranks[0]):
-                sends = send_kv(self.kv_caches, blocks, self.routes, self.disagg.tp_rank, peer.ranks,
+                sends = send_kv(self.kv_caches, blocks, self.routes, self.disagg.local_rank, peer.ranks,
                                 tag=self.tag_of(rid))
             for work, part, dst in sends:
                 self._inflight.append((self.waiter.watch(work), part, rid, dst, time.monotonic()))
@@ -522,7 +647,7 @@ class KVReceiver(_KVWorker):
         peer = self.peers_of(rid)
         start = time.perf_counter()
         with naming_peer(self.disagg, f"receiving request {rid}'s KV from", peer.ranks[0]):
-            received = recv_kv(self.kv_caches, blocks, self.routes, self.disagg.tp_rank, peer.ranks,
+            received = recv_kv(self.kv_caches, blocks, self.routes, self.disagg.local_rank, peer.ranks,
                                tag=self.tag_of(rid), keep=keep)
         if keep:
             self.stats.transfers += 1

@@ -191,11 +191,11 @@ def _expert_parallel(state: ParallelState, dims: ParallelDims, model_config) -> 
 
 
 def _pipeline(state: ParallelState, dims: ParallelDims, stage_sizes: list[int], model_config):
-    from toolkit.parallel.pipeline import PipelineParallel, StageSplit
+    from toolkit.parallel.pipeline import PipelineParallel, StageSplit, replica_groups
 
     stage = StageSplit.of(state.mesh.get_local_rank("pp"), stage_sizes, bool(model_config.tie_word_embeddings))
-    replicas = [dims.replica_ranks(d) for d in range(dims.dp)]
-    return PipelineParallel(state.mesh, stage, replicas, dist_timeout(), dims.tp)
+    groups = replica_groups([dims.replica_ranks(d) for d in range(dims.dp)], dist_timeout())
+    return PipelineParallel(state.mesh, stage, groups, dims.tp)
 
 
 def local_device(device: str | torch.device | None) -> torch.device:

@@ -183,6 +183,31 @@ def _fraction(idle: float, busy: float) -> float:
     return idle / (idle + busy) if idle + busy > 0 else 0.0
 
 
+@dataclass
+class ReplicaGroups:
+    """The gloo groups of the replica (or disaggregated instance) this rank's pipeline belongs to."""
+
+    ranks: list[int]  # global ranks, stage-major (a stage's TP ranks consecutive)
+    result: object  # each plan's result, broadcast from the last stage (posted ahead)
+    # Agreements made while results are in flight need their own group: collectives on one group
+    # must come in one order on every rank, and the result broadcasts are posted ahead.
+    agree: object
+    # A result longer than RESULT_HEAD's room sends its rest here: on the result group the heads are
+    # posted ahead, so a rest there would come between two heads on one rank and not the other.
+    overflow: object
+
+
+def replica_groups(replicas: list[list[int]], timeout) -> ReplicaGroups | None:
+    """Every replica's groups, built on every rank in the same order (torch.distributed.new_group is
+    a collective of the whole world); this rank's, or None when it is in none of `replicas`."""
+    mine = None
+    for ranks in replicas:
+        groups = ReplicaGroups(ranks, *(dist.new_group(ranks, backend="gloo", timeout=timeout) for _ in range(3)))
+        if dist.get_rank() in ranks:
+            mine = groups
+    return mine
+
+
 class PipelineParallel:
     """This rank's stage and its links, written for inference's varlen steps (torch.distributed.pipelining
     schedules fixed-shape training micro-batches): the previous stage's hidden states arrive by a
@@ -192,22 +217,12 @@ class PipelineParallel:
     broadcast that the others receive when they retire that plan. Every rank calls these in the
     same plan order, so the collectives match without any further handshake."""
 
-    def __init__(self, mesh, stage: StageSplit, replicas: list[list[int]], timeout, tp_size: int):
+    def __init__(self, mesh, stage: StageSplit, groups: ReplicaGroups, tp_size: int):
         self.stage = stage
         self.group = mesh["pp"].get_group()
-        self.replica_group = None
+        self.replica_group, self.agree_group = groups.result, groups.agree
+        self.overflow_group, self.replica_ranks = groups.overflow, groups.ranks
         rank = dist.get_rank()
-        for ranks in replicas:  # every rank builds every replica's groups, in the same order
-            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-            # Agreements made while results are in flight need their own group: collectives on one group
-            # must come in one order on every rank, and the result broadcasts are posted ahead.
-            agree = dist.new_group(ranks, backend="gloo", timeout=timeout)
-            # A result longer than RESULT_HEAD's room sends its rest here: on the result group the heads
-            # are posted ahead, so a rest there would come between two heads on one rank and not the other.
-            overflow = dist.new_group(ranks, backend="gloo", timeout=timeout)
-            if rank in ranks:
-                self.replica_group, self.agree_group, self.replica_ranks = group, agree, ranks
-                self.overflow_group = overflow
         self.rank, self.tp_size = rank, tp_size
         self.result_src = self.replica_ranks[(stage.size - 1) * tp_size]  # the last stage's TP rank 0
         self.is_result_src = rank == self.result_src

@@ -78,16 +78,9 @@ FEATURES = {
 }
 
 _DISAGG = "disaggregated prefill/decode"
-_DISAGG_WHY = ("an instance of a disaggregated job is one tensor-parallel group (with expert parallelism over "
-               "its ranks, for MoE models), which does not run {} yet: drop it, or run colocated "
-               "(prefill_instances=0, decode_instances=0)")
-# Every pair of FEATURES that does not combine yet, and why; every other pair does (one engine core:
-# docs/architecture.md, "What combines", is the same table).
 NOT_COMBINED = {
     frozenset((_DISAGG, "data_parallel_size")): "the prefill and decode instances are the replicas: drop "
                                                 "data_parallel_size, or run colocated",
-    **{frozenset((_DISAGG, other)): _DISAGG_WHY.format(other)
-       for other in ("pipeline_parallel_size",)},
     frozenset(("quantization='int8'", "tensor_parallel_size")): "the tensor-parallel plan splits float weights, not "
                                                                 "int8 ones with their scales: drop one",
 }
@@ -137,11 +130,13 @@ class EngineConfig:
     # expert split tp ways; attention stays tensor/data parallel (parallel/expert_parallel.py).
     enable_expert_parallel: bool = False
     # Disaggregated prefill and decode (toolkit/disaggregated.py): this many prefill instances and decode
-    # instances, each of tensor_parallel_size ranks (prefill ones of prefill_tensor_parallel_size, when
-    # set); world = P x prefill tp + D x tp. 0 and 0: every rank both prefills and decodes.
+    # instances, each of pipeline_parallel_size x tensor_parallel_size ranks (prefill ones of
+    # prefill_pipeline_parallel_size x prefill_tensor_parallel_size, where set); world = P x prefill pp x
+    # prefill tp + D x pp x tp. 0 and 0: every rank both prefills and decodes.
     prefill_instances: int = 0
     decode_instances: int = 0
     prefill_tensor_parallel_size: int | None = None
+    prefill_pipeline_parallel_size: int | None = None
     # The most requests a prefill instance holds at once: computing, or their KV staged until the decode
     # side has taken it. Past it the next ones wait, so the staged KV (host memory) stays bounded.
     prefill_backlog: int = 64
@@ -251,15 +246,17 @@ class EngineConfig:
         if not isinstance(self.prefill_backlog, numbers.Integral) or isinstance(self.prefill_backlog, bool) \
                 or self.prefill_backlog < 1:
             raise ValueError(f"prefill_backlog must be an integer >= 1, got {self.prefill_backlog!r}")
-        ptp = self.prefill_tensor_parallel_size
-        if ptp is not None and (not isinstance(ptp, numbers.Integral) or isinstance(ptp, bool) or ptp < 1):
-            raise ValueError(f"prefill_tensor_parallel_size must be an integer >= 1, got {ptp!r}")
+        for name in ("prefill_tensor_parallel_size", "prefill_pipeline_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if (self.prefill_instances > 0) != (self.decode_instances > 0):
             raise ValueError(f"prefill_instances {self.prefill_instances} and decode_instances {self.decode_instances}: "
                              "disaggregation needs at least one of each (or 0 and 0 to colocate)")
         if not self.disaggregated:
-            if ptp is not None:
-                raise ValueError("prefill_tensor_parallel_size needs prefill_instances and decode_instances")
+            for name in ("prefill_tensor_parallel_size", "prefill_pipeline_parallel_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs prefill_instances and decode_instances")
 
     def _check_kv_hierarchy(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_cache_size"):

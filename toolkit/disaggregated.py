@@ -95,8 +95,9 @@ class _Role:
         return run_transfers(self.worker, plan, len(self.worker.kv_caches))
 
     def stats(self) -> dict:
-        return {"role": self.role, "instance": self.disagg.instance.index, "tp": self.disagg.instance.tp,
-                "tp_rank": self.disagg.tp_rank,
+        d = self.disagg
+        return {"role": self.role, "instance": d.instance.index, "tp": d.instance.tp, "pp": d.instance.pp,
+                "local_rank": d.local_rank, "stage": d.stage, "tp_rank": d.tp_rank,
                 "handoff": self.connector.stats(), "kv": self.worker.stats.as_dict(), **self.times.as_dict()}
 
     def reset_times(self) -> None:
@@ -156,12 +157,12 @@ class PrefillRole(_Role):
         if not self._door:
             return
         room = None
-        if self.disagg.tp_rank == 0:
+        if self.disagg.local_rank == 0:
             held = len(engine.outputs.groups) + self.worker.staged_requests()
             room = max(0, self.backlog - held)
             stats = self.connector.handoff_stats
             stats.max_backlog = max(stats.max_backlog, held + min(room, len(self._door)))
-        if self.disagg.instance.tp > 1:
+        if self.disagg.instance.size > 1:
             box = [room]
             dist.broadcast_object_list(box, src=self.disagg.instance.ranks[0], group=self.disagg.instance_group)
             room = box[0]
@@ -202,7 +203,7 @@ class PrefillRole(_Role):
         for rid, ok in self.connector.take_outcomes():
             peer = self._peers.pop(rid)
             tag = self._tags.pop(rid)
-            if self.disagg.tp_rank == 0:
+            if self.disagg.local_rank == 0:
                 self.control.send(peer.ranks[0], READY, tag, int(ok))
         self.worker.poll()
 
@@ -299,7 +300,7 @@ class DecodeRole(_Role):
                 tokens = max(len(c.token_ids) for c in out.outputs)
                 if tokens > 1:
                     self.times.tpot.append((m.finished_time - m.first_token_time) / (tokens - 1))
-        if self.disagg.tp_rank == 0:
+        if self.disagg.local_rank == 0:
             self.control.heartbeat()
         if not engine._groups:
             if self._expected:
@@ -313,10 +314,10 @@ class DecodeRole(_Role):
         if not self._expected:
             return
         arrivals = None
-        if self.disagg.tp_rank == 0:
+        if self.disagg.local_rank == 0:
             sources = {self.disagg.instances("prefill")[p].ranks[0]: n for p, n in self._owed.items() if n}
             arrivals = [(a, b) for _, kind, a, b in self.control.receive(sources) if kind == READY]
-        if self.disagg.instance.tp > 1:
+        if self.disagg.instance.size > 1:
             box = [arrivals]
             dist.broadcast_object_list(box, src=self.disagg.instance.ranks[0], group=self.disagg.instance_group)
             arrivals = box[0]
@@ -377,7 +378,7 @@ class DecodeRole(_Role):
         return False
 
     def finish_call(self, engine) -> None:
-        if self.disagg.tp_rank == 0:
+        if self.disagg.local_rank == 0:
             self.control.send(0, DONE)
 
 
@@ -396,7 +397,7 @@ def build_role(disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads:
 def gather_decoded(disagg: Disaggregation, obj) -> list | None:
     """One picklable object from each decode instance (its first rank), in instance order, on global
     rank 0; None on every other rank. A collective of every rank."""
-    mine = obj if disagg.role == "decode" and disagg.tp_rank == 0 else None
+    mine = obj if disagg.role == "decode" and disagg.local_rank == 0 else None
     parts = [None] * dist.get_world_size() if disagg.rank == 0 else None
     dist.gather_object(mine, parts, dst=0, group=disagg.gather_group)
     if disagg.rank != 0:

@@ -59,7 +59,7 @@ class DisaggregatedFront:
     @property
     def speaks(self) -> bool:
         """Whether this rank's outputs are gathered (a decode instance's first rank)."""
-        return self.role.role == "decode" and self.role.disagg.tp_rank == 0
+        return self.role.role == "decode" and self.role.disagg.local_rank == 0
 
     def gather(self, obj) -> list | None:
         """`obj` from each decode instance's first rank, in instance order, on global rank 0; None

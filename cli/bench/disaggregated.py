@@ -163,7 +163,7 @@ def report_lines(report: dict) -> list[str]:
         if "requests_identical_to_colocated" in res:
             lines.append(f"  {label}: {res['requests_identical_to_colocated']} of {w['requests']} requests' tokens "
                          "identical to the colocated run's")
-        for role in (r for r in res["roles"] if r and r["tp_rank"] == 0):
+        for role in (r for r in res["roles"] if r and r["local_rank"] == 0):
             lines.append(f"  {label}, {role['role']} instance {role['instance']}: " + role_line(role))
     return lines
 

@@ -159,12 +159,14 @@ def test_parallel_runs_match_single_process_within_a_memory_budget(case, tmp_pat
 DISAGGREGATED = ["--prefill-instances", "1", "--decode-instances", "1"]
 
 
-def test_prefill_and_decode_instances_match_single_process(case, tmp_path):
-    """Text prompts tokenized on every rank, prefilled on one process, decoded on the other, whose
-    shard is merged into OUT; the summary says what KV crossed over."""
+@pytest.mark.parametrize("shape", [[], ["--pp", "2", "--prefill-pp", "1"]], ids=["1p1d", "1p1d-decode-pp2"])
+def test_prefill_and_decode_instances_match_single_process(case, tmp_path, shape):
+    """Text prompts tokenized on every rank, prefilled on one process, decoded on the other (or on a
+    two-stage pipeline, whose first rank writes the shard), whose shard is merged into OUT; the
+    summary says what KV crossed over."""
     ckpt, prompts, expected = case
     out = tmp_path / "out.jsonl"
-    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *FLAGS, *DISAGGREGATED, "--window", "2")
+    proc = run_cli("-m", ckpt, "-i", prompts, "-o", out, *FLAGS, *DISAGGREGATED, *shape, "--window", "2")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert by_line(out) == expected
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"], "shard files left behind"

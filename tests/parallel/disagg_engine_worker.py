@@ -50,6 +50,7 @@ def main() -> None:
                 "all_blocks_free": engine.scheduler.num_free_blocks == engine.runner.kv_spec.num_blocks,
                 "running": engine.scheduler.num_running + engine.scheduler.num_waiting,
                 "kv_heads": engine.runner.kv_caches[0].shape[3], "kv_blocks": engine.runner.kv_spec.num_blocks,
+                "kv_layers": len(engine.runner.kv_caches),
                 "disaggregated": stats["disaggregated"],
                 "prefix_cache": stats["prefix_cache"],
                 "compiled_graphs": stats["graphs"],

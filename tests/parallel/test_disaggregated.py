@@ -74,6 +74,51 @@ def test_kv_heads_follow_the_tp_plan_and_the_transfer_plan_resplits_them():
     assert transfer_plan(2, 2, 4) == [HeadRoute(0, 0, slice(0, 2), slice(0, 2)), HeadRoute(1, 1, slice(0, 2), slice(0, 2))]
 
 
+@pytest.mark.parametrize("prefill, decode, heads, layers", [
+    ((1, 2), (2, 1), 4, 5),  # prefill tp2 -> decode pp2
+    ((2, 1), (1, 2), 4, 5),  # prefill pp2 -> decode tp2
+    ((3, 2), (2, 4), 2, 7),  # stages that cut the layers at other places; copied heads on the decode side
+    ((2, 2), (2, 2), 8, 6),  # the same shape: each rank sends its own to its twin
+])
+def test_the_transfer_plan_gives_every_decode_rank_each_layer_and_head_it_holds_once(prefill, decode, heads, layers):
+    """Every (layer, head) a decode rank's stage and TP rank hold arrives exactly once, from a prefill
+    rank whose stage holds that layer and whose TP rank holds that head, at the right positions: the
+    plan read back entry by entry against the stage split and the TP head rule."""
+    from toolkit.parallel.pipeline import layer_partition
+
+    (ppp, ptp), (dpp, dtp) = prefill, decode
+    p_sizes, d_sizes = layer_partition(layers, ppp), layer_partition(layers, dpp)
+    if ppp == dpp:
+        p_sizes = d_sizes = [layers // ppp + (i < layers % ppp) for i in range(ppp)]
+    else:
+        d_sizes = d_sizes[::-1]  # a split of its own, unlike the prefill side's
+    starts = lambda sizes: [sum(sizes[:i]) for i in range(len(sizes))]  # noqa: E731
+    got = {}
+    for route in transfer_plan(ptp, dtp, heads, p_sizes, d_sizes):
+        ps, pt = divmod(route.prefill_rank, ptp)
+        ds, dt = divmod(route.decode_rank, dtp)
+        p_layers = list(range(starts(p_sizes)[ps], starts(p_sizes)[ps] + p_sizes[ps]))[route.src_layers]
+        d_layers = list(range(starts(d_sizes)[ds], starts(d_sizes)[ds] + d_sizes[ds]))[route.dst_layers]
+        p_heads = list(kv_heads(pt, ptp, heads))[route.src]
+        d_heads = list(kv_heads(dt, dtp, heads))[route.dst]
+        assert p_layers == d_layers and p_heads == d_heads and p_layers and p_heads, route
+        for layer in d_layers:
+            for head in d_heads:
+                key = (route.decode_rank, layer, head)
+                assert key not in got, key
+                got[key] = route.prefill_rank
+    want = {(ds * dtp + dt, layer, head) for ds in range(dpp) for dt in range(dtp)
+            for layer in range(starts(d_sizes)[ds], starts(d_sizes)[ds] + d_sizes[ds]) for head in kv_heads(dt, dtp, heads)}
+    assert set(got) == want
+
+
+def test_a_transfer_plan_needs_both_sides_stages_of_one_model():
+    with pytest.raises(ValueError, match="give both sides'"):
+        transfer_plan(1, 1, 2, [2, 2], None)
+    with pytest.raises(ValueError, match="give both sides'"):
+        transfer_plan(1, 1, 2, [2, 2], [3, 2])
+
+
 def test_router_balances_pending_prompt_tokens_and_promised_kv():
     layout = DisaggLayout(2, 2)
     # A long prompt weighs on its prefill instance; a long output on its decode instance.
@@ -213,8 +258,8 @@ def check_runs(case, reports: list[dict], runs: int) -> None:
         # Every handed-over request's KV left a prefill instance and arrived at a decode instance (a
         # TP instance's ranks count alike: its first speaks), and every prompt of more than one
         # token was handed over: the decode side computed none of them itself.
-        sent = sum(d["handoff"]["requests"] for d in roles if d["role"] == "prefill" and d["tp_rank"] == 0)
-        received = sum(d["kv"]["transfers"] for d in roles if d["role"] == "decode" and d["tp_rank"] == 0)
+        sent = sum(d["handoff"]["requests"] for d in roles if d["role"] == "prefill" and d["local_rank"] == 0)
+        received = sum(d["kv"]["transfers"] for d in roles if d["role"] == "decode" and d["local_rank"] == 0)
         handed = sum(len(p) > 1 for p in json.loads(case.prompts.read_text()))
         assert sent == received == handed * (2 if run["sampled"] is not None else 1), (where, roles)
         assert all(d["handoff"]["failed"] == d["handoff"]["dropped"] == 0 for d in roles), (where, roles)
@@ -222,7 +267,7 @@ def check_runs(case, reports: list[dict], runs: int) -> None:
         # Prefix caching works on the prefill side: the sampled run finds every prompt's full blocks.
         if run["sampled"] is not None:
             hits = sum(r["runs"][i]["prefix_cache"]["hits"] for r, d in zip(reports, roles)
-                       if d["role"] == "prefill" and d["tp_rank"] == 0)
+                       if d["role"] == "prefill" and d["local_rank"] == 0)
             assert hits > 0, where
         check_composed(run["layout"], [r["runs"][i] for r in reports], roles, where)
 
@@ -230,12 +275,13 @@ def check_runs(case, reports: list[dict], runs: int) -> None:
 def check_composed(layout: dict, runs: list[dict], roles: list[dict], where: str) -> None:
     """What the features composed with a layout did, rank by rank."""
     for run, role in zip(runs, roles):
-        decode_first = role["role"] == "decode" and role["tp_rank"] == 0
-        if "speculative_config" in layout:  # on the decode instance alone; the draft model on its first rank
+        # Where the logits are: a decode instance's last stage's first rank.
+        samples_here = role["role"] == "decode" and role["stage"] == role["pp"] - 1 and role["tp_rank"] == 0
+        if "speculative_config" in layout:  # on the decode instance alone; the draft model where the logits are
             spec = run["spec_decode"]
             assert (spec is not None) == (role["role"] == "decode"), (where, role)
             assert spec is None or spec["num_drafts"] > 0, (where, role)
-            drafts_here = layout["speculative_config"]["method"] == "draft_model" and decode_first
+            drafts_here = layout["speculative_config"]["method"] == "draft_model" and samples_here
             assert run["draft_runner"] == drafts_here, (where, role)
         # Every linear int8 on both roles (2 layers x 4, and the lm_head), none otherwise.
         assert run["int8_linears"] == (9 if layout.get("quantization") == "int8" else 0), (where, role)
@@ -243,7 +289,7 @@ def check_composed(layout: dict, runs: list[dict], roles: list[dict], where: str
             ep, size = run["expert_parallel"], role["tp"]
             assert ep["ranks"] == size and ep["experts"] == [8 // size * role["tp_rank"], 8 // size * (role["tp_rank"] + 1)]
             assert ep["rows_received"] > 0, (where, role, ep)
-        if "prefill_backlog" in layout and role["role"] == "prefill" and role["tp_rank"] == 0:
+        if "prefill_backlog" in layout and role["role"] == "prefill" and role["local_rank"] == 0:
             handoff = role["handoff"]  # every request fed at once: most waited, and never more were held
             assert handoff["door_waits"] > 0 and handoff["max_backlog"] == layout["prefill_backlog"], (where, handoff)
         tiers = run["kv_tiers"]
@@ -272,14 +318,52 @@ def test_prefill_and_decode_instances_give_the_single_process_outputs(case, tmp_
     assert proc.returncode == 0, output_tail(proc)
     reports = read_reports(tmp_path, 3)
     check_runs(case, reports, len(LAYOUTS) * len(FAMILIES) + len(layouts) - len(LAYOUTS))
-    # Then on each engine: every prompt added and every other one aborted at once (at its prefill
-    # instance's door, or awaited by its decode instance): the rest finish with the single process's
-    # tokens, the aborted return nothing, and every block on every rank is free again.
+    check_aborted(case, reports)
+
+
+def check_aborted(case, reports: list[dict]) -> None:
+    """Then on each engine: every prompt added and every other one aborted at once (at its prefill
+    instance's door, or awaited by its decode instance): the rest finish with the single process's
+    tokens, the aborted return nothing, and every block on every rank is free again."""
     for i, run in enumerate(reports[0]["runs"]):
         family = next(f for f, path in case.paths.items() if str(path) == run["model"])
         expected = case.expected[oracle_key(family, run["layout"])]
         assert run["aborted_run"] == {f"abort-{j}": expected[j] for j in range(1, len(expected), 2)}, run["layout"]
         assert all(r["runs"][i]["blocks_free_after_abort"] for r in reports), run["layout"]
+
+
+# Instances of other shapes than one TP group (4 processes): the issue's prefill tp2 -> decode pp2, and
+# prefill pp2 -> decode tp2; the stages' layers and the TP ranks' heads are re-split on the way.
+P_TP2_D_PP2 = dict(prefill_instances=1, decode_instances=1, prefill_tensor_parallel_size=2,
+                   prefill_pipeline_parallel_size=1, pipeline_parallel_size=2)
+P_PP2_D_TP2 = dict(prefill_instances=1, decode_instances=1, prefill_pipeline_parallel_size=2,
+                   prefill_tensor_parallel_size=1, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_pipelined_instances_give_the_single_process_outputs(case, tmp_path):
+    """One launch of 4 processes: prefill tp2 -> decode pp2 and prefill pp2 -> decode tp2 for both
+    families (chunked prefill), greedy and seeded sampling against the single process, then half the
+    requests aborted; with them, draft-model speculation on the pp2 decode instance (the draft on its
+    last stage, unchunked) and mixtral with expert parallelism inside the tp2 prefill instance (the
+    decode stages each hold all experts of their layer)."""
+    llama = str(case.paths["llama3"])
+    layouts = [P_TP2_D_PP2, P_PP2_D_TP2,
+               {**P_TP2_D_PP2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
+               {**P_TP2_D_PP2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True}]
+    proc = torchrun(tmp_path, ["--nproc-per-node=4", "--standalone"],
+                    engine_args(case, layouts, "--sampled", json.dumps(SAMPLED), "--abort-half"), script=ENGINE_WORKER)
+    assert proc.returncode == 0, output_tail(proc)
+    reports = read_reports(tmp_path, 4)
+    check_runs(case, reports, 2 * len(FAMILIES) + 2)
+    check_aborted(case, reports)
+    for i, run in enumerate(reports[0]["runs"]):  # each rank's cache holds its stage's layers alone
+        layers = 3 if "mixtral" in run["model"] else 2
+        for role in ("prefill", "decode"):
+            stages = [(r["runs"][i]["disaggregated"], r["runs"][i]["kv_layers"]) for r in reports]
+            stages = [n for d, n in stages if d["role"] == role and d["tp_rank"] == 0]
+            pp = len(stages)
+            assert sum(stages) == layers and (pp == 1 or max(stages) < layers), (run["layout"], role, stages)
 
 
 @pytest.mark.slow

@@ -175,5 +175,19 @@ def test_info_shows_each_disaggregated_instance(ckpt):
     assert result.exit_code == 0, result.output
     shown = json.loads(result.stdout)["disaggregated"]
     assert [(r["role"], r["instances"], r["tp"]) for r in shown["rows"]] == [("prefill", 1, 2), ("decode", 2, 1)]
+    # A pipelined decode instance: each stage's process holds half the layers' weights and KV.
+    assert config.num_layers % 2 == 0
+    piped = disaggregated_plan(config, torch.float32, prefill=1, decode=1, prefill_tp=2, decode_tp=1, block_size=16,
+                               max_num_seqs=8, max_model_len=512, max_request_tokens=100, available=GiB, decode_pp=2)
+    decode = piped["rows"][1]
+    assert (decode["pp"], decode["processes"], decode["weight_bytes_per_process"]) == (2, 2, weights // 2)
+    assert decode["kv_bytes_per_process"] == 8 * 7 * 16 * 256 and piped["processes"] == 4
+    result = runner.invoke(app, ["info", str(ckpt), "--json", "--prefill-instances", "1", "--decode-instances", "1",
+                                 "--prefill-tp", "2", "--pp", "2", "--prefill-pp", "1", "--max-num-seqs", "8",
+                                 "--max-request-tokens", "100", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)["disaggregated"]
+    assert [(r["role"], r["tp"], r["pp"], r["processes"]) for r in shown["rows"]] == [("prefill", 2, 1, 2),
+                                                                                      ("decode", 1, 2, 2)]
     half = runner.invoke(app, ["info", str(ckpt), "--prefill-instances", "1"])
     assert half.exit_code == 2 and "go together" in half.output

@@ -245,8 +245,9 @@ def test_vllms_keywords_are_accepted_and_mapped(ckpt, caplog):
     (dict(enable_chunked_prefill=False), r"enable_chunked_prefill=False is not supported: long prefills"),
     (dict(tokenizer_mode="slow"), r"tokenizer_mode='slow' is not supported"),
     (dict(pipeline_parallel_size=0), r"pipeline_parallel_size must be an integer >= 1"),
-    (dict(prefill_instances=1, decode_instances=1, pipeline_parallel_size=2, enable_expert_parallel=True),
-     r"disaggregated prefill/decode does not combine with pipeline_parallel_size yet"),
+    (dict(prefill_instances=1, decode_instances=1, prefill_pipeline_parallel_size=0),
+     r"prefill_pipeline_parallel_size must be an integer >= 1"),
+    (dict(prefill_pipeline_parallel_size=2), r"prefill_pipeline_parallel_size needs prefill_instances and decode"),
     (dict(pipeline_parallel_size=2, pp_layer_partition=[1, 1]), r"pp_layer_partition must be a string"),
     (dict(prefill_instances=1), r"prefill_instances 1 and decode_instances 0: disaggregation needs at least one"),
     (dict(prefill_instances=-1, decode_instances=1), r"prefill_instances must be an integer >= 0"),
@@ -416,7 +417,7 @@ def _feature_kwargs(name: str, tmp_path) -> dict:
 
 def test_the_combinability_table_is_what_the_config_accepts(tmp_path):
     """Every pair of features: the config accepts it exactly when NOT_COMBINED does not list it, and a
-    refusal names both features. (Pipeline parallelism combines with everything but disaggregation.)"""
+    refusal names both features. (Pipeline parallelism combines with everything.)"""
     import dataclasses
     from types import SimpleNamespace
 
@@ -435,6 +436,5 @@ def test_the_combinability_table_is_what_the_config_accepts(tmp_path):
             EngineConfig(model="-", **kwargs)
             accepted += 1
     pipeline = [p for p in map(frozenset, itertools.combinations(FEATURES, 2)) if "pipeline_parallel_size" in p]
-    assert [p for p in pipeline if p in NOT_COMBINED] == [frozenset(("pipeline_parallel_size",
-                                                                     "disaggregated prefill/decode"))]
+    assert [p for p in pipeline if p in NOT_COMBINED] == []
     assert accepted > 40

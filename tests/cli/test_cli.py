@@ -534,6 +534,9 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(ckpt,
         while (not out.exists() or out.read_bytes().count(b"\n") < 1) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read().decode()
             time.sleep(0.01)
+        # Stopped, it still holds the lock however slowly the second run starts (it once finished first).
+        proc.send_signal(signal.SIGSTOP)
+        assert proc.poll() is None and out.read_bytes().count(b"\n") < 30, "the first run ended before the check"
         second = generate(ckpt, "-i", prompts, "-o", out, *RESUME_FLAGS)
         assert second.exit_code == 2
         assert f"is being written by toolkit generate, pid {proc.pid}" in second.stderr, second.stderr

@@ -54,7 +54,7 @@ class Ranks:
     rank: int = 0
     pp: int = 1
     # Disaggregated prefill/decode: prefill instances of prefill_pp x prefill_tp (default pp x tp) ranks,
-    # then decode instances of pp x tp ranks; each decode instance's first rank writes its records.
+    # then decode instances of dp replicas of pp x tp ranks; each replica's first rank writes its records.
     prefill: int = 0
     decode: int = 0
     prefill_tp: int | None = None
@@ -63,7 +63,7 @@ class Ranks:
     @property
     def world(self) -> int:
         if self.prefill:
-            return self._first_decode + self.decode * self.tp * self.pp
+            return self._first_decode + self.decode * self.dp * self.tp * self.pp
         return self.tp * self.dp * self.pp
 
     @property
@@ -72,18 +72,24 @@ class Ranks:
 
     @property
     def decode_instance(self) -> int | None:
-        """Disaggregated: the index of this rank's decode instance; None on a prefill rank."""
+        """Disaggregated: the index of this rank's decode instance (each replica one); None on a prefill rank."""
         first = self._first_decode
         return (self.rank - first) // (self.tp * self.pp) if self.prefill and self.rank >= first else None
 
     @property
     def shards(self) -> int:
         """Writers of shard files, merged into OUTPUT at the end (1: OUTPUT itself)."""
-        return self.decode if self.prefill else self.dp
+        return self.decode * self.dp if self.prefill else self.dp
 
     @property
     def replica(self) -> int:
         return self.rank // (self.tp * self.pp)
+
+    @property
+    def line_share(self) -> tuple[int, int] | None:
+        """(replica, replicas): the share of the input's lines this rank reads under --dp; None, every
+        line (also for a disaggregated job, whose router needs every line on every rank)."""
+        return (self.replica, self.dp) if self.dp > 1 and not self.prefill else None
 
     @property
     def main(self) -> bool:  # global rank 0: output (or the merge), progress, summary, resume scan
@@ -420,7 +426,7 @@ def _interrupted(error: KeyboardInterrupt, io: IOArgs, ranks: Ranks, done: int, 
 
 def _generate_file(io: IOArgs, model: Path | None, base: SamplingParams, fmt: str, run: RunFingerprint,
                    engine_args: dict, ranks: Ranks, console, resume: Resume, total: int, stats: RunStats) -> int:
-    share = (ranks.replica, ranks.dp) if ranks.dp > 1 else None
+    share = ranks.line_share
     engine_args = with_workload(engine_args, model, read_jobs(io.input, fmt, base, resume.done, share))
     engine = load_engine(model, engine_args, console, io.quiet,
                          text_from=f"plain-text input {io.input}" if fmt == "text" else None)

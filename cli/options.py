@@ -147,7 +147,8 @@ DataParallelOpt = Annotated[int, typer.Option(
     "--dp", "--data-parallel-size", min=1, rich_help_panel=PARALLEL,
     help="Independent replicas of the model, each serving a share of the requests. generate: needs "
          "--input/--output, each replica writes OUTPUT.dpI-of-N, merged into OUTPUT at the end; serve: each "
-         "request goes to the replica with the least work.")]
+         "request goes to the replica with the least work. With --prefill-instances/--decode-instances: replicas "
+         "of each decode instance (under --enable-expert-parallel they split the experts and step together).")]
 PipelineParallelOpt = Annotated[int, typer.Option(
     "--pp", "--pipeline-parallel-size", min=1, rich_help_panel=PARALLEL,
     help="Processes that each hold a run of the layers (pipeline stages), with up to this many batches in "

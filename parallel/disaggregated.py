@@ -7,9 +7,11 @@ the control plane (`ControlPlane`): small messages on a gloo group saying a requ
 that a decode instance is alive, and that it is done.
 
 Layout: the world is P prefill instances of `prefill_pp` x `prefill_tp` ranks, then D decode
-instances of `decode_pp` x `decode_tp` ranks, each instance consecutive ranks, stage-major (a stage's TP
-ranks consecutive: one node's devices, as TP wants), as a data-parallel replica's are
-(parallel/dims.py).
+deployments of `decode_dp` replicas of `decode_pp` x `decode_tp` ranks, each instance (a replica)
+consecutive ranks, stage-major (a stage's TP ranks consecutive: one node's devices, as TP wants), as a
+data-parallel replica's are (parallel/dims.py). A deployment's replicas are separate decode instances
+to the router (data parallelism is that routing); with expert parallelism they split each MoE layer's
+experts over all their ranks and step in lockstep, as colocated data-parallel replicas do.
 
 KV heads under TP (parallel/tensor_parallel.py::kv_heads): with at least as many kv heads as ranks,
 rank r of t holds heads [r * H / t, (r + 1) * H / t); with fewer, each rank holds one, head
@@ -57,6 +59,7 @@ class Instance:
     index: int  # among the instances of its role
     ranks: range  # global ranks, consecutive, stage-major
     tp: int = 0  # ranks per pipeline stage (0: all of them, one stage)
+    dp: int = 1  # replicas in its data-parallel deployment (index // dp), of which it is index % dp
 
     def __post_init__(self):
         if not self.tp:
@@ -70,14 +73,19 @@ class Instance:
     def size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def replica(self) -> int:
+        return self.index % self.dp
+
     def shape(self) -> str:
-        return f"pp {self.pp} x tp {self.tp}" if self.pp > 1 else f"tp {self.tp}"
+        shape = f"pp {self.pp} x tp {self.tp}" if self.pp > 1 else f"tp {self.tp}"
+        return f"dp {self.dp} x {shape}" if self.dp > 1 else shape
 
 
 @dataclass(frozen=True)
 class DisaggLayout:
-    """P prefill instances of `prefill_pp` x `prefill_tp` ranks, then D decode instances of `decode_pp`
-    x `decode_tp` ranks."""
+    """P prefill instances of `prefill_pp` x `prefill_tp` ranks, then D decode deployments of
+    `decode_dp` instances (replicas) of `decode_pp` x `decode_tp` ranks."""
 
     prefill_instances: int
     decode_instances: int
@@ -85,9 +93,10 @@ class DisaggLayout:
     prefill_tp: int | None = None  # None: decode_tp
     decode_pp: int = 1
     prefill_pp: int | None = None  # None: decode_pp
+    decode_dp: int = 1
 
     def __post_init__(self):
-        for name in ("prefill_instances", "decode_instances", "decode_tp", "decode_pp"):
+        for name in ("prefill_instances", "decode_instances", "decode_tp", "decode_pp", "decode_dp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ParallelConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -111,19 +120,32 @@ class DisaggLayout:
         """(pp, tp) of the role's instances."""
         return (self.prefill_stages, self.prefill_size) if role == "prefill" else (self.decode_pp, self.decode_tp)
 
+    def count(self, role: str) -> int:
+        """The role's instances (a decode deployment's replicas each one)."""
+        return self.prefill_instances if role == "prefill" else self.decode_instances * self.decode_dp
+
     @property
     def world_size(self) -> int:
-        return sum(count * pp * tp for count, (pp, tp) in ((self.prefill_instances, self.shape("prefill")),
-                                                          (self.decode_instances, self.shape("decode"))))
+        return sum(self.count(role) * pp * tp for role, (pp, tp) in ((r, self.shape(r)) for r in ROLES))
 
     @property
     def instances(self) -> list[Instance]:
         out, start = [], 0
-        for role, count in (("prefill", self.prefill_instances), ("decode", self.decode_instances)):
-            pp, tp = self.shape(role)
-            for i in range(count):
-                out.append(Instance(role, i, range(start, start + pp * tp), tp))
+        for role in ROLES:
+            (pp, tp), dp = self.shape(role), self.decode_dp if role == "decode" else 1
+            for i in range(self.count(role)):
+                out.append(Instance(role, i, range(start, start + pp * tp), tp, dp))
                 start += pp * tp
+        return out
+
+    def deployments(self) -> list[list[Instance]]:
+        """The instances that split one MoE layer's experts and step together: each prefill instance
+        alone, each decode deployment's replicas together."""
+        out = []
+        for inst in self.instances:
+            if inst.replica == 0:
+                out.append([])
+            out[-1].append(inst)
         return out
 
     def instance_of(self, rank: int) -> Instance:
@@ -133,10 +155,11 @@ class DisaggLayout:
         """A clear error, before anything loads, when the launch does not have exactly this many ranks."""
         if world_size != self.world_size:
             (ppp, ptp), (dpp, dtp) = self.shape("prefill"), self.shape("decode")
+            replicas = f" x {self.decode_dp} replicas" if self.decode_dp > 1 else ""
             raise ParallelConfigError(
                 f"{self.prefill_instances} prefill instance(s) x {ppp * ptp} ranks + {self.decode_instances} "
-                f"decode instance(s) x {dpp * dtp} ranks = {self.world_size} processes, but this launch has "
-                f"a world size of {world_size}")
+                f"decode instance(s){replicas} x {dpp * dtp} ranks = {self.world_size} processes, but this launch "
+                f"has a world size of {world_size}")
 
 
 @dataclass(frozen=True)
@@ -251,8 +274,8 @@ class Router:
     every rank, since every rank sees the same requests in the same order (`route_requests`)."""
 
     def __init__(self, layout: DisaggLayout):
-        self.pending = [0] * layout.prefill_instances
-        self.promised = [0] * layout.decode_instances
+        self.pending = [0] * layout.count("prefill")
+        self.promised = [0] * layout.count("decode")
 
     def route(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
         p = min(range(len(self.pending)), key=lambda i: (self.pending[i], i))
@@ -304,8 +327,10 @@ class Disaggregation:
     def describe(self, rank: int) -> str:
         inst = self.layout.instance_of(rank)
         local = rank - inst.ranks.start
+        replica = f"DP replica {inst.replica} of {inst.dp}, " if inst.dp > 1 else ""
         stage = f"stage {local // inst.tp} of {inst.pp}, " if inst.pp > 1 else ""
-        return f"rank {rank} ({inst.role} instance {inst.index}, {stage}TP rank {local % inst.tp} of {inst.tp})"
+        return (f"rank {rank} ({inst.role} instance {inst.index}, {replica}{stage}TP rank {local % inst.tp} of "
+                f"{inst.tp})")
 
     def routes(self, num_kv_heads: int) -> list[HeadRoute]:
         """Which heads and layers go between which ranks of a prefill and a decode instance."""
@@ -319,8 +344,10 @@ def setup_disaggregated(layout: DisaggLayout, device, model_config, expert_paral
     """Join the process group as one rank of `layout` (checked against the world, and each role's TP
     and pipeline sizes against the model, before anything is waited for); returns (ParallelState of
     this rank's instance: a (1, pp, tp) mesh of its ranks, Disaggregation). With `expert_parallel` (a
-    MoE model) each instance's stage splits its experts over that stage's ranks, as a colocated TP
-    group does. `pp_layer_partition` is the decode instances' split (the prefill side's is the default)."""
+    MoE model) each stage of a deployment (a prefill instance, or a decode instance's dp replicas)
+    splits its experts over that stage's ranks, as colocated replicas do, and a decode deployment's
+    replicas step in lockstep. `pp_layer_partition` is the decode instances' split (the prefill
+    side's is the default)."""
     from toolkit.parallel.distributed import (GATHER_TIMEOUT, ParallelState, _init_process_group, _log_rank0_only,
                                               launched_world_size, local_device)
     from toolkit.parallel.expert_parallel import num_experts
@@ -337,8 +364,9 @@ def setup_disaggregated(layout: DisaggLayout, device, model_config, expert_paral
     rank = dist.get_rank()
     mine = layout.instance_of(rank)
     # Every rank takes part in creating every instance's groups, in the same order.
-    built = [_instance_groups(inst, device, expert_parallel) for inst in layout.instances]
-    mesh, instance_group, pipeline, ep_group = built[layout.instances.index(mine)]
+    built = [_instance_groups(inst, device) for inst in layout.instances]
+    mesh, instance_group, pipeline = built[layout.instances.index(mine)]
+    ep_group, lockstep = _deployment_groups(layout, device) if expert_parallel else (None, None)
     control = dist.new_group(backend="gloo", timeout=dist_timeout())
     gather = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
     _log_rank0_only()
@@ -347,6 +375,10 @@ def setup_disaggregated(layout: DisaggLayout, device, model_config, expert_paral
     dims = ParallelDims(pp=mine.pp, tp=mine.tp, expert_parallel=expert_parallel)  # one instance's degrees
     state = ParallelState(mesh, device, None, None, dims=dims)
     _instance_parts(state, disagg, pipeline, ep_group, model_config, layers[mine.role])
+    if lockstep is not None:
+        from toolkit.parallel.data_parallel import Lockstep
+
+        state.lockstep = Lockstep(lockstep)
     log.info("disaggregated: %d prefill instance(s) of %s + %d decode instance(s) of %s, backend %s",
              layout.prefill_instances, layout.instances[0].shape(), layout.decode_instances,
              layout.instances[-1].shape(), dist.get_backend())
@@ -363,15 +395,15 @@ def _check_role(layout: DisaggLayout, role: str, model_config, expert_parallel: 
     try:
         check_tensor_parallel(model_config, tp, expert_parallel=expert_parallel)
         if expert_parallel:
-            check_expert_parallel(model_config, tp)
+            check_expert_parallel(model_config, tp * (layout.decode_dp if role == "decode" else 1))
         return layer_partition(model_config.num_layers, pp, partition, head_layers(model_config) if pp > 1 else 0.0)
     except ParallelConfigError as e:
         raise ParallelConfigError(f"{role} instances: {e}") from None
 
 
-def _instance_groups(inst: Instance, device, expert_parallel: bool) -> tuple:
-    """One instance's mesh, arrivals group, pipeline groups and (this rank's stage's) expert group:
-    collectives of every rank, whichever instance it is in."""
+def _instance_groups(inst: Instance, device) -> tuple:
+    """One instance's mesh, arrivals group and pipeline groups: collectives of every rank, whichever
+    instance it is in."""
     from toolkit.parallel.distributed import MESH_DIM_NAMES
     from toolkit.parallel.pipeline import replica_groups
     from torch.distributed.device_mesh import DeviceMesh
@@ -380,13 +412,28 @@ def _instance_groups(inst: Instance, device, expert_parallel: bool) -> tuple:
                       mesh_dim_names=MESH_DIM_NAMES)
     group = dist.new_group(list(inst.ranks), backend="gloo", timeout=dist_timeout())
     pipeline = replica_groups([list(inst.ranks)], dist_timeout()) if inst.pp > 1 else None
-    ep = None
-    for stage in range(inst.pp) if expert_parallel else ():
-        ranks = list(inst.ranks[stage * inst.tp:(stage + 1) * inst.tp])
-        g = dist.new_group(ranks, backend="gloo" if device.type == "cpu" else None, timeout=dist_timeout())
-        if dist.get_rank() in ranks:
-            ep = g
-    return mesh, group, pipeline, ep
+    return mesh, group, pipeline
+
+
+def _deployment_groups(layout: DisaggLayout, device) -> tuple:
+    """Expert parallelism's groups: every stage of every deployment over that stage's ranks in each of
+    its replicas (replica-major, as parallel/dims.py's stage_ranks), and each deployment of several
+    replicas a lockstep group; this rank's two (None: not in lockstep)."""
+    ep = lockstep = None
+    me = dist.get_rank()
+    for deployment in layout.deployments():
+        first = deployment[0]
+        for stage in range(first.pp):
+            ranks = [inst.ranks[stage * inst.tp + t] for inst in deployment for t in range(inst.tp)]
+            g = dist.new_group(ranks, backend="gloo" if device.type == "cpu" else None, timeout=dist_timeout())
+            if me in ranks:
+                ep = g
+        if len(deployment) > 1:
+            ranks = [r for inst in deployment for r in inst.ranks]
+            g = dist.new_group(ranks, backend="gloo", timeout=dist_timeout())
+            if me in ranks:
+                lockstep = g
+    return ep, lockstep
 
 
 def _instance_parts(state, disagg: Disaggregation, pipeline, ep_group, model_config, stage_sizes) -> None:

@@ -77,10 +77,7 @@ FEATURES = {
     "quantization='int8'": lambda c: c.quantization == "int8",
 }
 
-_DISAGG = "disaggregated prefill/decode"
 NOT_COMBINED = {
-    frozenset((_DISAGG, "data_parallel_size")): "the prefill and decode instances are the replicas: drop "
-                                                "data_parallel_size, or run colocated",
     frozenset(("quantization='int8'", "tensor_parallel_size")): "the tensor-parallel plan splits float weights, not "
                                                                 "int8 ones with their scales: drop one",
 }
@@ -131,8 +128,10 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # Disaggregated prefill and decode (toolkit/disaggregated.py): this many prefill instances and decode
     # instances, each of pipeline_parallel_size x tensor_parallel_size ranks (prefill ones of
-    # prefill_pipeline_parallel_size x prefill_tensor_parallel_size, where set); world = P x prefill pp x
-    # prefill tp + D x pp x tp. 0 and 0: every rank both prefills and decodes.
+    # prefill_pipeline_parallel_size x prefill_tensor_parallel_size, where set), each decode instance
+    # data_parallel_size replicas (routed apart; under expert parallelism splitting the experts and
+    # stepping together); world = P x prefill pp x prefill tp + D x dp x pp x tp. 0 and 0: every rank
+    # both prefills and decodes.
     prefill_instances: int = 0
     decode_instances: int = 0
     prefill_tensor_parallel_size: int | None = None

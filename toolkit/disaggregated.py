@@ -97,6 +97,7 @@ class _Role:
     def stats(self) -> dict:
         d = self.disagg
         return {"role": self.role, "instance": d.instance.index, "tp": d.instance.tp, "pp": d.instance.pp,
+                "dp": d.instance.dp, "replica": d.instance.replica,
                 "local_rank": d.local_rank, "stage": d.stage, "tp_rank": d.tp_rank,
                 "handoff": self.connector.stats(), "kv": self.worker.stats.as_dict(), **self.times.as_dict()}
 

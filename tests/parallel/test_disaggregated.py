@@ -59,6 +59,15 @@ def test_layout_lays_out_prefill_then_decode_instances_and_checks_the_world():
         DisaggLayout(1, 0)
     with pytest.raises(ParallelConfigError, match="prefill_tensor_parallel_size must be an integer >= 1"):
         DisaggLayout(1, 1, prefill_tp=0)
+    # Stages and replicas: a TP-2 prefill instance, then 2 decode instances of 2 replicas of 2 stages.
+    layout = DisaggLayout(1, 2, prefill_tp=2, prefill_pp=1, decode_pp=2, decode_dp=2)
+    got = [(i.role, i.index, list(i.ranks), i.pp, i.tp, i.replica) for i in layout.instances]
+    assert got == [("prefill", 0, [0, 1], 1, 2, 0), ("decode", 0, [2, 3], 2, 1, 0), ("decode", 1, [4, 5], 2, 1, 1),
+                   ("decode", 2, [6, 7], 2, 1, 0), ("decode", 3, [8, 9], 2, 1, 1)]
+    assert [[i.index for i in d] for d in layout.deployments()] == [[0], [0, 1], [2, 3]]
+    with pytest.raises(ParallelConfigError, match=r"1 prefill instance\(s\) x 2 ranks \+ 2 decode instance\(s\) x 2 "
+                                                  r"replicas x 2 ranks = 10 processes"):
+        layout.check(8)
 
 
 def test_kv_heads_follow_the_tp_plan_and_the_transfer_plan_resplits_them():
@@ -157,6 +166,7 @@ NEW_TOKENS = 10
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7, n=2, logprobs=2, max_tokens=6)
 P2_D1 = dict(prefill_instances=1, decode_instances=1, prefill_tensor_parallel_size=2)
 P1_D2 = dict(prefill_instances=1, decode_instances=1, tensor_parallel_size=2, prefill_tensor_parallel_size=1)
+P1_D_DP2 = dict(prefill_instances=1, decode_instances=1, data_parallel_size=2)  # one decode instance, 2 replicas
 LAYOUTS = [P2_D1, P1_D2, dict(prefill_instances=1, decode_instances=2), dict(prefill_instances=2, decode_instances=1)]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 # The engine fields whose outputs the oracle must share (the others only say where KV lives).
@@ -176,12 +186,16 @@ def composed(case) -> list[dict]:
     call's prompts, so the decode side finds their prefixes in its tier. The n-gram layout's prefill
     instance (tp=2) holds one request at a time (prefill_backlog=1): the rest wait at its door. A MoE
     model (mixtral) with expert parallelism: the TP-2 decode instance splits the experts over its two
-    ranks (all-to-all), the TP-1 prefill instance holds them all. Weight-only int8 on 1 prefill + 2
-    decode instances (one rank each), against the single int8 process."""
+    ranks (all-to-all), the TP-1 prefill instance holds them all; and the decode instance as two
+    data-parallel replicas splitting the experts between them, stepping in lockstep (a dense model's
+    replicas are routed apart and step alone). Weight-only int8 on 1 prefill + 2 decode instances (one
+    rank each), against the single int8 process."""
     llama = str(case.paths["llama3"])
     small = {**P2_D1, "model": llama, "kv_cache_memory_bytes": 6 * BLOCK}
     return [{**P2_D1, "model": llama, "speculative_config": NGRAM, "prefill_backlog": 1},
             {**P1_D2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
+            {**P1_D_DP2, **UNCHUNKED, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
+            {**P1_D_DP2, "model": llama},
             {"prefill_instances": 1, "decode_instances": 2, "model": llama, "quantization": "int8"},
             {**P1_D2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
             {**small, "kv_offloading_size": TIER_GIB},
@@ -285,10 +299,15 @@ def check_composed(layout: dict, runs: list[dict], roles: list[dict], where: str
             assert run["draft_runner"] == drafts_here, (where, role)
         # Every linear int8 on both roles (2 layers x 4, and the lm_head), none otherwise.
         assert run["int8_linears"] == (9 if layout.get("quantization") == "int8" else 0), (where, role)
-        if layout.get("enable_expert_parallel"):  # each instance's experts over its own ranks
-            ep, size = run["expert_parallel"], role["tp"]
-            assert ep["ranks"] == size and ep["experts"] == [8 // size * role["tp_rank"], 8 // size * (role["tp_rank"] + 1)]
+        if layout.get("enable_expert_parallel"):  # each instance's experts over its own ranks (its replicas' too)
+            ep, size, at = run["expert_parallel"], role["tp"] * role["dp"], role["replica"] * role["tp"] + role["tp_rank"]
+            assert ep["ranks"] == size and ep["experts"] == [8 // size * at, 8 // size * (at + 1)], (where, role, ep)
             assert ep["rows_received"] > 0, (where, role, ep)
+            # A decode instance's replicas step together: they agree on every step (the lockstep).
+            assert ("lockstep_steps" in ep) == (role["dp"] > 1), (where, role, ep)
+            assert role["dp"] == 1 or ep["lockstep_steps"] > 0, (where, role, ep)
+        if role["role"] == "decode" and layout.get("data_parallel_size", 1) > 1:  # each replica served some
+            assert role["dp"] == layout["data_parallel_size"] and role["kv"]["transfers"] > 0, (where, role)
         if "prefill_backlog" in layout and role["role"] == "prefill" and role["local_rank"] == 0:
             handoff = role["handoff"]  # every request fed at once: most waited, and never more were held
             assert handoff["door_waits"] > 0 and handoff["max_backlog"] == layout["prefill_backlog"], (where, handoff)

@@ -106,12 +106,12 @@ def _join(config: EngineConfig, mc):
 
         layout = DisaggLayout(config.prefill_instances, config.decode_instances, config.tensor_parallel_size,
                               config.prefill_tensor_parallel_size, config.pipeline_parallel_size,
-                              config.prefill_pipeline_parallel_size)
+                              config.prefill_pipeline_parallel_size, config.data_parallel_size)
         parallel, disagg = setup_disaggregated(layout, config.device, mc, config.enable_expert_parallel,
                                                config.pp_layer_partition)
         # This rank's instance is an ordinary engine of its own shape from here on.
         config = dataclasses.replace(config, tensor_parallel_size=disagg.instance.tp,
-                                     pipeline_parallel_size=disagg.instance.pp)
+                                     pipeline_parallel_size=disagg.instance.pp, data_parallel_size=disagg.instance.dp)
         if disagg.role == "prefill":  # its one thrown-away token needs no drafts: speculation is the decode side's
             config = dataclasses.replace(config, speculative_config=None)
         return parallel, disagg, config

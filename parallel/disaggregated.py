@@ -22,9 +22,13 @@ gathered) on the way and every head crosses once per decode rank that needs it. 
 pipeline stages differ, a route also names the layers the two ranks' stages share: a prefill stage
 sends each decode stage only that stage's layers, the rest of its cache from another prefill stage.
 
-Messages: the KV of a request goes on the default group (NCCL on GPUs) with the request's own tag,
-so a decode instance may take requests in any order on gloo. NCCL ignores tags: there a pair's
-messages must be received in the order they were sent (untested here: no GPU).
+Messages: the KV of a request goes on the default group (NCCL on GPUs), untagged: NCCL matches a
+pair's messages in the order they were sent, and gloo's untagged messages do the same, so the CPU
+tests check the order NCCL needs. A prefill rank sends in the order its requests finish and tells the
+decode instance in that order (READY); every rank of the decode instance posts its receives in READY
+order, at once (up to `ahead` requests received before their admission; the rest wait at the
+sender), into staging tensors that admission then copies into the blocks the scheduler gave: the
+scheduler may admit the requests in any order.
 
 Leaf module: torch only (and this package's TP head rule).
 """
@@ -235,30 +239,44 @@ def send_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadR
     return sends
 
 
-def recv_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], local_rank: int,
-            prefill_ranks: range, group=None, tag: int = 0, keep: bool = True) -> int:
-    """On a decode rank (`local_rank` within its instance): receive the request's KV into its own
-    `blocks` (as many as the sender's, in the same order; -1 for a block this rank already holds,
-    received and dropped), each route's heads of its layers into their place in this rank's caches;
-    with `keep=False` receive as many blocks
-    and drop them all. Returns the bytes received."""
+def post_recv_kv(kv_caches: list[torch.Tensor], num_blocks: int, routes: list[HeadRoute], local_rank: int,
+                 prefill_ranks: range, group=None, tag: int = 0) -> list:
+    """On a decode rank (`local_rank` within its instance): post the receives of a request's KV,
+    `num_blocks` blocks of each route's heads of its layers, into staging tensors; returns the
+    (work, tensor, route) triples `place_kv` takes."""
+    first = kv_caches[0]
+    posted = []
+    for route in (r for r in routes if r.decode_rank == local_rank):
+        heads = route.dst.stop - route.dst.start
+        part = torch.empty((len(kv_caches[route.dst_layers]), 2, num_blocks, first.shape[2], heads, first.shape[4]),
+                           dtype=first.dtype, device=first.device)
+        posted.append((dist.irecv(part, src=prefill_ranks[route.prefill_rank], group=group, tag=tag), part, route))
+    return posted
+
+
+def place_kv(kv_caches: list[torch.Tensor], blocks: list[int], posted: list, keep: bool = True) -> int:
+    """Wait for a request's posted receives and copy them into its own `blocks` (as many as were sent,
+    in the same order; -1 for a block this rank already holds, dropped); with `keep=False` drop them
+    all. Returns the bytes received."""
     first = kv_caches[0]
     kept = [i for i, b in enumerate(blocks) if b >= 0] if keep else []
-    keep = bool(kept)
     index = torch.tensor([blocks[i] for i in kept], dtype=torch.int64, device=first.device)
     positions = torch.tensor(kept, dtype=torch.int64, device=first.device)
     received = 0
-    for route in (r for r in routes if r.decode_rank == local_rank):
-        heads = route.dst.stop - route.dst.start
-        layers = kv_caches[route.dst_layers]
-        part = torch.empty((len(layers), 2, len(blocks), first.shape[2], heads, first.shape[4]), dtype=first.dtype,
-                           device=first.device)
-        dist.recv(part, src=prefill_ranks[route.prefill_rank], group=group, tag=tag)
+    for work, part, route in posted:
+        work.wait()
         received += part.numel() * part.element_size()
-        if keep:
-            for cache, layer in zip(layers, part):
+        if kept:
+            for cache, layer in zip(kv_caches[route.dst_layers], part):
                 cache[:, :, :, route.dst].index_copy_(1, index, layer.index_select(1, positions))
     return received
+
+
+def recv_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadRoute], local_rank: int,
+            prefill_ranks: range, group=None, tag: int = 0, keep: bool = True) -> int:
+    """Receive a request's KV into `blocks` at once (`post_recv_kv`, then `place_kv`)."""
+    posted = post_recv_kv(kv_caches, len(blocks), routes, local_rank, prefill_ranks, group, tag)
+    return place_kv(kv_caches, blocks, posted, keep)
 
 
 def route_requests(prompt_lens: list[int], max_tokens: list[int], layout: DisaggLayout) -> list[tuple[int, int]]:
@@ -498,14 +516,15 @@ def naming_peer(disagg: Disaggregation, what: str, peer: int):
                            f"{exc}") from exc
 
 
-READY, HEARTBEAT, DONE = 1, 2, 3  # message kinds: [kind, a, b] in one int64 tensor
+READY, HEARTBEAT, DONE = 1, 2, 3  # message kinds: [kind, a, b, c] in one int64 tensor
 HEARTBEAT_S = 2.0
 
 
 class ControlPlane:
-    """Small messages on the control group, each [kind, a, b]:
+    """Small messages on the control group, each [kind, a, b, c]:
     - READY (prefill instance's first rank -> decode instance's first rank): request `a`'s prompt
-      KV is being sent (b = 1), or the prefill side failed it (b = 0: the decode side computes it);
+      KV, c blocks, is being sent (b = 1), or the prefill side failed it (b = 0: the decode side
+      computes it);
     - HEARTBEAT and DONE (decode instance's first rank -> global rank 0, which returns the outputs):
       still working, at most every HEARTBEAT_S; done with every request routed to it so far.
     A receive is posted ahead for each peer that still owes a message, and polled."""
@@ -518,12 +537,12 @@ class ControlPlane:
         self._sends: deque = deque()  # (future, message, destination)
         self._last_heartbeat = 0.0
 
-    def send(self, dst: int, kind: int, a: int = 0, b: int = 0) -> None:
+    def send(self, dst: int, kind: int, a: int = 0, b: int = 0, c: int = 0) -> None:
         while self._sends and self._sends[0][0].done():
             future, _, to = self._sends.popleft()
             with naming_peer(self.disagg, "a control message to", to):
                 future.result()
-        message = torch.tensor([kind, a, b], dtype=torch.int64)
+        message = torch.tensor([kind, a, b, c], dtype=torch.int64)
         with naming_peer(self.disagg, "a control message to", dst):
             self._sends.append((self.waiter.watch(dist.isend(message, dst=dst, group=self.group)), message, dst))
 
@@ -533,8 +552,8 @@ class ControlPlane:
             self._last_heartbeat = now
             self.send(0, HEARTBEAT)
 
-    def receive(self, sources: dict[int, int]) -> list[tuple[int, int, int, int]]:
-        """Messages that have arrived, as (source, kind, a, b), from the sources that still owe some
+    def receive(self, sources: dict[int, int]) -> list[tuple[int, int, int, int, int]]:
+        """Messages that have arrived, as (source, kind, a, b, c), from the sources that still owe some
         (`sources`: rank -> messages still owed; a receive stays posted for each owed one)."""
         got = []
         for src, owed in sources.items():
@@ -545,14 +564,14 @@ class ControlPlane:
                 with naming_peer(self.disagg, "a control message from", src):
                     work.wait()  # the rest of the message, if still on its way
                 del self._recvs[src]
-                kind, a, b = buf.tolist()
-                got.append((src, kind, a, b))
+                kind, a, b, c = buf.tolist()
+                got.append((src, kind, a, b, c))
                 if kind != HEARTBEAT:
                     owed -= 1
         return got
 
     def _post(self, src: int) -> tuple:
-        buf = torch.zeros(3, dtype=torch.int64)
+        buf = torch.zeros(4, dtype=torch.int64)
         with naming_peer(self.disagg, "a control message from", src):
             self._recvs[src] = (dist.irecv(buf, src=src, group=self.group), buf)
         return self._recvs[src]
@@ -564,16 +583,19 @@ class ControlPlane:
 @dataclass
 class TransferStats:
     """One side's KV traffic since start: transfers, bytes, and (receiving side) the seconds each
-    receive took; a sender's sends complete when the receiver takes them."""
+    admission waited for its KV to finish arriving (it was posted when READY came); a sender's sends
+    complete when the receiver takes them."""
 
     transfers: int = 0
     bytes: int = 0
     seconds: list[float] = field(default_factory=list)
     dropped: int = 0
+    out_of_order: int = 0  # receiving side: requests loaded or dropped before one whose KV was sent earlier
 
     def as_dict(self) -> dict:
         total, pct = sum(self.seconds), percentiles(self.seconds)
         return {"transfers": self.transfers, "bytes": self.bytes, "dropped": self.dropped,
+                "out_of_order": self.out_of_order,
                 "seconds_total": total, "seconds_p50": pct["p50"], "seconds_p99": pct["p99"],
                 "bandwidth_gbps": self.bytes / total / 1e9 if total else None}
 
@@ -586,7 +608,8 @@ def percentiles(values: list[float]) -> dict:
 
 
 class _KVWorker:
-    """What both sides share: the caches, the head routes, and a request's tag."""
+    """What both sides share: the caches, the head routes, and a request's number in the job (`tag_of`:
+    the same on every rank; its messages carry no tag, see the module's docstring)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], disagg: Disaggregation, num_kv_heads: int,
                  peers_of, tag_of, waiter: SendWaiter | None = None):
@@ -594,7 +617,7 @@ class _KVWorker:
         self.disagg = disagg
         self.routes = disagg.routes(num_kv_heads)
         self.peers_of = peers_of  # request id -> the other side's instance (its ranks)
-        self.tag_of = tag_of  # request id -> its tag
+        self.tag_of = tag_of  # request id -> its number in the job
         self.waiter = waiter
         self.stats = TransferStats()
 
@@ -642,8 +665,7 @@ class KVSender(_KVWorker):
             self.stats.transfers += 1
             peer = self.peers_of(rid)
             with naming_peer(self.disagg, f"sending request {rid}'s KV to", peer.ranks[0]):
-                sends = send_kv(self.kv_caches, blocks, self.routes, self.disagg.local_rank, peer.ranks,
-                                tag=self.tag_of(rid))
+                sends = send_kv(self.kv_caches, blocks, self.routes, self.disagg.local_rank, peer.ranks)
             for work, part, dst in sends:
                 self._inflight.append((self.waiter.watch(work), part, rid, dst, time.monotonic()))
                 self.stats.bytes += part.numel() * part.element_size()
@@ -677,25 +699,52 @@ class KVSender(_KVWorker):
 
 
 class KVReceiver(_KVWorker):
-    """A decode rank: each admitted request's KV into the blocks the scheduler gave it, before the
-    step's forward; a request that ended before its KV was loaded has it received and dropped."""
+    """A decode rank: each request's KV posted for receiving when its READY comes (`expect`, in READY
+    order on every rank of the instance: the order the prefill ranks sent it), at most `ahead`
+    requests ahead of their admission; at admission, into the blocks the scheduler gave it, before the
+    step's forward. A request that ends before its KV was loaded has it received and dropped."""
+
+    def __init__(self, *args, ahead: int = 64, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ahead = ahead
+        self._queue: deque = deque()  # (number, prefill instance, blocks): READY came, receives not posted
+        self._posted: dict[int, list] = {}  # number -> its posted receives
 
     def save_kv_layer(self, layer: int, plan) -> None:
         pass
 
+    def expect(self, seq: int, peer: Instance, num_blocks: int) -> None:
+        """Request `seq`'s KV (`num_blocks` blocks) is on its way from `peer`."""
+        self._queue.append((seq, peer, num_blocks))
+        while self._queue and len(self._posted) < self.ahead:
+            self._post_next()
+
+    def _post_next(self) -> None:
+        seq, peer, num_blocks = self._queue.popleft()
+        with naming_peer(self.disagg, f"receiving request number {seq}'s KV from", peer.ranks[0]):
+            self._posted[seq] = post_recv_kv(self.kv_caches, num_blocks, self.routes, self.disagg.local_rank,
+                                             peer.ranks)
+
     def start_load_kv(self, plan) -> None:
         for rid, blocks in self.by_request(plan.loads).items():
-            self._receive(rid, blocks, keep=True)
+            self._place(rid, blocks, keep=True)
         for copy in (c for c in plan.deletes if c.tier == "remote"):
-            self._receive(copy.key, list(range(copy.slot)), keep=False)
+            self._place(copy.key, [], keep=False)
             self.stats.dropped += 1
+        while self._queue and len(self._posted) < self.ahead:
+            self._post_next()
 
-    def _receive(self, rid: str, blocks: list[int], keep: bool) -> None:
-        peer = self.peers_of(rid)
+    def _place(self, rid: str, blocks: list[int], keep: bool) -> None:
+        seq = self.tag_of(rid)
+        if next(iter(self._posted), seq) != seq:
+            self.stats.out_of_order += 1
+        while seq not in self._posted:  # admitted before its turn to be posted: post up to it, in order
+            if not self._queue:
+                raise RuntimeError(f"request {rid}'s KV is loaded but its READY never came (a bug: please report)")
+            self._post_next()
         start = time.perf_counter()
-        with naming_peer(self.disagg, f"receiving request {rid}'s KV from", peer.ranks[0]):
-            received = recv_kv(self.kv_caches, blocks, self.routes, self.disagg.local_rank, peer.ranks,
-                               tag=self.tag_of(rid), keep=keep)
+        with naming_peer(self.disagg, f"receiving request {rid}'s KV from", self.peers_of(rid).ranks[0]):
+            received = place_kv(self.kv_caches, blocks, self._posted.pop(seq), keep=keep)
         if keep:
             self.stats.transfers += 1
             self.stats.bytes += received

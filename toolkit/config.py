@@ -137,7 +137,8 @@ class EngineConfig:
     prefill_tensor_parallel_size: int | None = None
     prefill_pipeline_parallel_size: int | None = None
     # The most requests a prefill instance holds at once: computing, or their KV staged until the decode
-    # side has taken it. Past it the next ones wait, so the staged KV (host memory) stays bounded.
+    # side has taken it; and the most a decode instance receives ahead of admitting them. Past it the
+    # next ones wait, so the staged KV stays bounded on both sides.
     prefill_backlog: int = 64
     load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
     compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)

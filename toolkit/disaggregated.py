@@ -130,6 +130,8 @@ class PrefillRole(_Role):
     def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64):
         super().__init__(disagg)
         self.backlog = backlog
+        self.block_size = block_size
+        self._blocks: dict[str, int] = {}  # request id -> blocks of KV it sends (READY says so)
         self._door: deque = deque()  # Engine._add_request's arguments of requests waiting for room
         self.connector = PrefillConnector(block_size)
         self.worker = KVSender(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__,
@@ -148,6 +150,7 @@ class PrefillRole(_Role):
             return
         self._tags[request_id] = seq
         self._peers[request_id] = self.disagg.instances("decode")[d]
+        self._blocks[request_id] = -(-(len(prompt_token_ids) - 1) // self.block_size)
         # All but the last prompt token, one greedy token that nobody reads; it always ends by length.
         prefill = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         self._door.append((request_id, prompt_token_ids[:-1], prefill, None, priority, arrival_time, cache_salt))
@@ -192,7 +195,7 @@ class PrefillRole(_Role):
     def _take_done(self) -> bool:
         """Read what decode instances said (heartbeats, DONE); whether any said something."""
         got = self.control.receive(self._done_owed)
-        for src, kind, _, _ in got:
+        for src, kind, *_ in got:
             if kind == DONE:
                 del self._done_owed[src]
         return bool(got)
@@ -204,8 +207,9 @@ class PrefillRole(_Role):
         for rid, ok in self.connector.take_outcomes():
             peer = self._peers.pop(rid)
             tag = self._tags.pop(rid)
+            blocks = self._blocks.pop(rid)
             if self.disagg.local_rank == 0:
-                self.control.send(peer.ranks[0], READY, tag, int(ok))
+                self.control.send(peer.ranks[0], READY, tag, int(ok), blocks if ok else 0)
         self.worker.poll()
 
     def has_unfinished(self, engine, busy: bool) -> bool:
@@ -247,10 +251,11 @@ class PrefillRole(_Role):
 
 
 class DecodeRole(_Role):
-    def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int):
+    def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, ahead: int = 64):
         super().__init__(disagg)
         self.connector = DecodeConnector(block_size)
-        self.worker = KVReceiver(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__)
+        self.worker = KVReceiver(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__,
+                                 ahead=ahead)
         self._expected: dict[int, _Expected] = {}  # seq -> request awaiting its prefill
         self._owed: dict[int, int] = {}  # prefill instance -> READY messages still owed to this instance
         # READY for requests not fed here yet (a prefill rank may read its input ahead of this one)
@@ -317,12 +322,15 @@ class DecodeRole(_Role):
         arrivals = None
         if self.disagg.local_rank == 0:
             sources = {self.disagg.instances("prefill")[p].ranks[0]: n for p, n in self._owed.items() if n}
-            arrivals = [(a, b) for _, kind, a, b in self.control.receive(sources) if kind == READY]
+            arrivals = [(src, a, b, c) for src, kind, a, b, c in self.control.receive(sources) if kind == READY]
         if self.disagg.instance.size > 1:
             box = [arrivals]
             dist.broadcast_object_list(box, src=self.disagg.instance.ranks[0], group=self.disagg.instance_group)
             arrivals = box[0]
-        for seq, ok in arrivals:
+        prefill = {inst.ranks[0]: inst for inst in self.disagg.instances("prefill")}
+        for src, seq, ok, blocks in arrivals:
+            if ok:  # its receives are posted now, in READY order: the order its KV was sent
+                self.worker.expect(seq, prefill[src], blocks)
             if seq in self._expected:
                 expected = self._expected.pop(seq)
                 self._owed[expected.prefill] -= 1
@@ -392,7 +400,7 @@ def _handoff(prompt_token_ids: list[int], params: SamplingParams) -> bool:
 def build_role(disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64) -> _Role:
     if disagg.role == "prefill":
         return PrefillRole(disagg, block_size, kv_caches, num_kv_heads, backlog)
-    return DecodeRole(disagg, block_size, kv_caches, num_kv_heads)
+    return DecodeRole(disagg, block_size, kv_caches, num_kv_heads, ahead=backlog)
 
 
 def gather_decoded(disagg: Disaggregation, obj) -> list | None:

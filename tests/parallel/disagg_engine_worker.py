@@ -29,19 +29,23 @@ def main() -> None:
     report = {"rank": rank, "runs": []}
     for layout in map(json.loads, args.layout):
         models = [layout.pop("model")] if "model" in layout else args.model
+        # "priorities": "reversed": the later a prompt, the sooner it is admitted (scheduling_policy="priority")
+        priority = list(range(len(prompts), 0, -1)) if layout.get("priorities") == "reversed" else None
         for model in models:
             llm = LLM(model, dtype="float32", enforce_eager=args.compile is None,
                       compile_backend=args.compile or "inductor", max_model_len=128, block_size=16,
-                      skip_tokenizer_init=True, **{**json.loads(args.engine_args), **layout})
+                      skip_tokenizer_init=True,
+                      **{**json.loads(args.engine_args), **{k: v for k, v in layout.items() if k != "priorities"}})
             if rank == args.fail_rank:
                 fail_in_third_step(llm, args.fail_mode)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
+                                SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False,
+                                priority=priority)
             sampled = None
             if args.sampled is not None:
                 sampled = [sampled_report(o) for o in llm.generate(
                     [{"prompt_token_ids": p} for p in prompts], SamplingParams(**json.loads(args.sampled)),
-                    use_tqdm=False)]
+                    use_tqdm=False, priority=priority)]
             engine = llm.engine
             stats = engine.stats()
             report["runs"].append({

@@ -5,7 +5,9 @@ disaggregated mode against the colocated single process.
   prefill caches into a decode cache's other blocks, re-split when the TP sizes differ (tp=2 into 1,
   1 into 2) and from two prefill instances into one decode instance; every value encodes where it
   was written, so the decode side checks each entry it got against the one the prefill side wrote,
-  and that no other block changed (tests/parallel/disagg_worker.py).
+  and that no other block changed; and three requests' untagged messages (NCCL's matching: in send
+  order), loaded in another order than they were sent, each land in their own blocks
+  (tests/parallel/disagg_worker.py).
 - The engine (tests/parallel/disagg_engine_worker.py), one launch of 3 processes running four
   layouts in turn: 1 prefill (tp=2) + 1 decode (tp=1), 1 prefill + 1 decode (tp=2), 1 + 2 and 2 + 1,
   for two families (llama3: GQA, RoPE scaling; tied_mqa: tied embeddings, one kv head, which TP
@@ -189,7 +191,9 @@ def composed(case) -> list[dict]:
     ranks (all-to-all), the TP-1 prefill instance holds them all; and the decode instance as two
     data-parallel replicas splitting the experts between them, stepping in lockstep (a dense model's
     replicas are routed apart and step alone). Weight-only int8 on 1 prefill + 2 decode instances (one
-    rank each), against the single int8 process."""
+    rank each), against the single int8 process. Priority scheduling (later prompts first) on both
+    instances, under the small decode cache. (Loading requests in another order than their KV was
+    sent in is checked on the data plane: test_kv_blocks_move_between_instances_resplit_across_tp_sizes.)"""
     llama = str(case.paths["llama3"])
     small = {**P2_D1, "model": llama, "kv_cache_memory_bytes": 6 * BLOCK}
     return [{**P2_D1, "model": llama, "speculative_config": NGRAM, "prefill_backlog": 1},
@@ -199,6 +203,7 @@ def composed(case) -> list[dict]:
             {"prefill_instances": 1, "decode_instances": 2, "model": llama, "quantization": "int8"},
             {**P1_D2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
             {**small, "kv_offloading_size": TIER_GIB},
+            {**small, **UNCHUNKED, "scheduling_policy": "priority", "priorities": "reversed"},
             {**small, **UNCHUNKED, "kv_disk_cache_dir": str(case.root / "disk"), "kv_disk_cache_size": 0.01},
             {**small, "kv_cache_memory_bytes": 5 * BLOCK, "kv_offloading_size": TIER_GIB, "preemption_mode": "swap"}]
 

@@ -45,6 +45,14 @@ class ReplicaFront:
         """At the end of a call: `gather`."""
         return self.gather(obj)
 
+    def finish(self, engine) -> None:
+        """At the end of a call, before a gather of the caller's own (`collect` does both)."""
+
+    def reset_times(self) -> None:
+        """Forget the per-request latencies so far (a benchmark's warm-up); replicas keep none."""
+
+    handed_over = 0  # requests whose prompts this rank's instance prefilled for another
+
 
 class DisaggregatedFront:
     progress = False  # a decode instance returns only its own requests
@@ -70,8 +78,20 @@ class DisaggregatedFront:
 
     def collect(self, engine, obj) -> list | None:
         """At the end of a call: `gather`, once global rank 0 has every decode instance's DONE."""
-        self.role.finish_call(engine)
+        self.finish(engine)
         return self.gather(obj)
+
+    def finish(self, engine) -> None:
+        """Global rank 0 waits for every decode instance's DONE (the others tell it theirs)."""
+        self.role.finish_call(engine)
+
+    def reset_times(self) -> None:
+        self.role.reset_times()
+
+    @property
+    def handed_over(self) -> int:
+        """Requests whose prompts this rank's instance prefilled and handed over (0 on a decode rank)."""
+        return self.role.connector.handoff_stats.requests if self.role.role == "prefill" else 0
 
 
 def build_front(parallel, hooks):

@@ -37,11 +37,10 @@ def main(spec_path: str) -> None:
     # Every graph compiles outside the timed run: one warm request per rank reaches every instance.
     warm = [spec["warm"]] * dist.get_world_size()
     _run(engine, warm, _share(engine, warm), "warm", None)
-    if engine.disagg is not None:
-        engine.disagg.reset_times()
+    engine.front.reset_times()
     startup_s = time.perf_counter() - start
     # Rank 0's bar: its replica's share, or (a prefill rank) the prompts its instance hands over.
-    emit({"event": "phase", "name": "timed run (rank 0's part)", "total": len(mine) if engine.disagg is None else 0})
+    emit({"event": "phase", "name": "timed run (rank 0's part)", "total": len(mine) if engine.front.progress else 0})
     stats_before = _role_stats(engine)
     tokens: dict[str, list[int]] = {}
     timings, elapsed = _run(engine, requests, list(mine), "r", lambda n: emit({"event": "advance", "n": n}), tokens)
@@ -93,10 +92,10 @@ def _run(engine, requests: list[dict], mine: list[int], prefix: str, advance, to
                 break
             time.sleep(min(0.005, max(0.0, requests[queue[0]]["arrival_s"] - (time.monotonic() - t0))))
             continue
-        handed = _handed_over(engine)
+        handed = engine.front.handed_over
         finished = {out.request_id: out for out in engine.step()}
-        if advance is not None and _handed_over(engine) > handed:
-            advance(_handed_over(engine) - handed)
+        if advance is not None and engine.front.handed_over > handed:
+            advance(engine.front.handed_over - handed)
         now = time.monotonic()
         for rid in list(live):
             timing = served[rid]
@@ -113,15 +112,9 @@ def _run(engine, requests: list[dict], mine: list[int], prefix: str, advance, to
                 except KeyError:  # not in this engine's scheduler yet (its prefill is elsewhere)
                     count = 0
             timing.add(now, count - timing.output_len)
-    if engine.disagg is not None:
-        engine.disagg.finish_call(engine)
+    engine.front.finish(engine)
     elapsed = time.monotonic() - t0
     return list(served.values()), elapsed
-
-
-def _handed_over(engine) -> int:
-    role = engine.disagg
-    return role.connector.handoff_stats.requests if role is not None and role.role == "prefill" else 0
 
 
 def _role_stats(engine) -> dict | None:

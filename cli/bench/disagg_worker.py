@@ -118,7 +118,9 @@ def _run(engine, requests: list[dict], mine: list[int], prefix: str, advance, to
 
 
 def _role_stats(engine) -> dict | None:
-    return engine.stats().get("disaggregated")
+    stats = engine.stats()
+    role = stats.get("disaggregated")
+    return None if role is None else {**role, "spec_decode": stats.get("spec_decode")}
 
 
 def _delta(before: dict | None, after: dict | None) -> dict | None:

@@ -78,6 +78,10 @@ def disagg(
     threads: Annotated[int, typer.Option(min=1, help="torch threads per rank.")] = 1,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Token budget per step (chunked prefill).")] = 512,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    speculative_config: Annotated[Optional[str], typer.Option(
+        "--speculative-config", metavar="JSON",
+        help="Also run each layout with this speculative_config on its decode instances (vLLM's dict as JSON, "
+             "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}').")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Also write the report here.")] = None,
 ):
     """Disaggregated prefill/decode against colocated replicas on the same ranks: TTFT and TPOT p50/p99."""
@@ -88,6 +92,16 @@ def disagg(
     layouts = [parse_layout(t) for t in (layout or ["1:1"])]
     try:
         path, load_format = resolve_model(model, model_shape, need_weights=False)
+        spec = None
+        if speculative_config is not None:
+            from toolkit.cli.errors import CliError
+            from toolkit.cli.options import parse_speculative_config
+
+            try:
+                parse_speculative_config(speculative_config, path)  # a clear error before any process starts
+            except CliError as e:
+                raise ValueError(str(e)) from None
+            spec = json.loads(speculative_config)  # the workers' engines take the dict
         mc = load_model_config(path)
         requests = mixed_workload(num_requests, long_prompts, long_len, short_len, output_len, rate, mc.vocab_size, seed)
     except (ValueError, FileNotFoundError) as e:
@@ -104,6 +118,9 @@ def disagg(
     worlds = [dp] if dp else sorted({p + d for p, d in layouts})
     systems = [(f"colocated (dp={n})", {"data_parallel_size": n}) for n in worlds]
     systems += [(f"disaggregated {p}:{d}", {"prefill_instances": p, "decode_instances": d}) for p, d in layouts]
+    if spec is not None:  # the same layouts, speculating on their decode instances
+        systems += [(f"disaggregated {p}:{d} + {spec['method']}", {"prefill_instances": p, "decode_instances": d,
+                                                                   "speculative_config": spec}) for p, d in layouts]
     warm = {"prompt_token_ids": requests[0]["prompt_token_ids"][:64], "output_len": 4, "arrival_s": 0.0}
     results = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -113,7 +130,7 @@ def disagg(
             return lambda n=1: bar.update(task, advance=n)
 
         for label, engine_args in systems:
-            nproc = engine_args.get("data_parallel_size") or sum(engine_args.values())
+            nproc = engine_args.get("data_parallel_size") or engine_args["prefill_instances"] + engine_args["decode_instances"]
             spec = dict(model=str(Path(path).resolve()), engine_args={**common, **engine_args}, threads=threads,
                         requests=requests, warm=warm)
             repo = str(Path(__file__).resolve().parents[2])
@@ -126,9 +143,10 @@ def disagg(
             except BenchError as e:
                 err.print(f"error: {e}", style="red", markup=False)
                 raise typer.Exit(1)
-    for (p, d), (label, _) in zip(layouts, systems[len(worlds):]):
+    for label, engine_args in systems[len(worlds):]:
         # Greedy, EOS ignored: the same tokens as the colocated run, up to a float near-tie that
         # other batch shapes can flip in low precision.
+        p, d = engine_args["prefill_instances"], engine_args["decode_instances"]
         peer = results[f"colocated (dp={dp or p + d})"]["tokens"]
         results[label]["requests_identical_to_colocated"] = sum(a == b for a, b in zip(results[label]["tokens"], peer))
     report = {"workload": workload_summary(requests, rate, long_len), "systems": results,
@@ -181,4 +199,8 @@ def role_line(role: dict) -> str:
         parts.append(f"{kv['transfers']} received, {kv['bytes'] / 2**20:.1f} MiB, receive p50/p99 "
                      f"{ms(per['seconds_p50'])}/{ms(per['seconds_p99'])} ms ({rate:.2f} GB/s)")
         parts.append(f"TTFT p50 {ms(role['ttft']['p50'])} ms, TPOT p50 {ms(role['tpot']['p50'])} ms")
+        spec = role.get("spec_decode")
+        if spec and spec["acceptance_rate"] is not None:  # since start, the warm-up's few drafts included
+            parts.append(f"drafts accepted {100 * spec['acceptance_rate']:.0f}%, mean acceptance length "
+                         f"{spec['mean_acceptance_length']:.2f}")
     return "; ".join(parts)

@@ -201,10 +201,30 @@ def load_tokenizer(path):
 
 @functools.lru_cache(maxsize=2)
 def _tokenizer(path: str, mtime_ns: int, size: int):
+    """Built from the file once per file version and kept, as saved by transformers, under
+    TOOLKIT_CACHE/tokenizers: reading the vocabulary out of GGUF metadata is most of a warm start."""
+    import hashlib
+    import os
+    import tempfile
+
     from transformers import AutoTokenizer
 
-    path = Path(path)
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    from toolkit import envs
+
+    key = hashlib.sha256(f"{path}\0{mtime_ns}\0{size}".encode()).hexdigest()[:24]
+    saved = envs.cache_root() / "tokenizers" / key
+    if (saved / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
+    try:  # written aside, then renamed: a concurrent process never reads half a folder
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=saved.parent) as tmp:
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, saved)
+            os.mkdir(tmp)  # for TemporaryDirectory's own cleanup
+    except OSError:  # a read-only or full cache, or another process saved it first: this run does without
+        pass
+    return tokenizer
 
 
 class GGUFTensors:

@@ -224,6 +224,32 @@ def test_the_cli_parses_a_files_tokenizer_once_and_each_caller_owns_its_copy(tmp
     assert len(parses) == 2
 
 
+def test_a_files_tokenizer_is_saved_once_and_the_saved_one_tokenizes_alike(tmp_path, monkeypatch):
+    """A warm start reads the tokenizer transformers saved under TOOLKIT_CACHE instead of the file's
+    vocabulary: the same ids, text, special tokens and chat template as the one built from the file."""
+    from toolkit.gguf_checkpoint import _tokenizer, load_tokenizer
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tok.Q8_0.gguf"
+    write_gguf(path, "llama", "Q8_0", seed=3, tokenizer=write_tokenizer(tmp_path / "tokenizer"))
+    _tokenizer.cache_clear()
+    built = load_tokenizer(path)
+    saved = list((tmp_path / "cache" / "tokenizers").iterdir())
+    assert len(saved) == 1 and (saved[0] / "tokenizer.json").is_file()
+    _tokenizer.cache_clear()  # as a new process would
+    reloaded = load_tokenizer(path)
+    assert reloaded.name_or_path == str(saved[0])
+    for text in ("the cat sat on the mat", "  Héllo\nwörld 42 ", "<|im_start|>user"):
+        assert reloaded.encode(text) == built.encode(text), text
+        assert reloaded.decode(built.encode(text)) == built.decode(built.encode(text)), text
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    assert (reloaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == built.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    assert (reloaded.eos_token_id, reloaded.bos_token_id, len(reloaded)) == (built.eos_token_id, built.bos_token_id,
+                                                                            len(built))
+    _tokenizer.cache_clear()
+
+
 def test_a_file_without_a_vocabulary_runs_token_ids_and_refuses_text_in_one_line(tmp_path):
     path = tmp_path / "weights-only.Q8_0.gguf"
     write_gguf(path, "llama", "Q8_0", seed=3)  # no tokenizer metadata: the weights alone

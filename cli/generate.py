@@ -324,6 +324,10 @@ def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict
     console = stderr_console() if ranks.main else Console(quiet=True)
     base = base_params(sampling)
     job = prompt_job(io, model, engine_args, base)
+    # A PROMPT's run never holds more sequences than it asks for: its KV cache is sized for those, not
+    # for max_num_seqs of them (allocating and zeroing the rest took longer than a short answer).
+    sequences = len(job.prompts or [None]) * base.n
+    engine_args = {**engine_args, "max_num_seqs": min(engine_args.get("max_num_seqs", sequences), sequences)}
     engine = load_engine(model, with_workload(engine_args, model, [job]), console, io.quiet, text_from="a text PROMPT")
 
     def print_text(record: dict) -> None:

@@ -6,7 +6,7 @@ Read lazily, on each call, so a test or a notebook can change one before buildin
 
 | variable | default | what it sets |
 |---|---|---|
-| `TOOLKIT_CACHE` | `~/.cache/toolkit` | the root of everything built: kernels, Inductor's caches, kernel choices, the default model |
+| `TOOLKIT_CACHE` | `~/.cache/toolkit` | the root of everything built: kernels, Inductor's caches, kernel choices, the default model, GGUF files' indexes and tokenizers |
 | `TOOLKIT_CPU_KERNELS` | `1` | `EngineConfig.cpu_kernels`: build and use the C++ CPU kernels (0: torch's own ops) |
 | `TOOLKIT_CPU_LINEAR` | `auto` | `EngineConfig.cpu_linear`: which linear implementation serves which row counts |
 | `TOOLKIT_CPP_WRAPPER` | `1` | `EngineConfig.cpp_wrapper`: compiled CPU steps run Inductor's C++ wrapper |

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -68,8 +70,11 @@ def hf_name(name: str) -> str:
     return name
 
 
-def read(path) -> "gguf.GGUFReader":  # noqa: F821
-    """The file's reader, parsed once per file version (a real model's vocabulary takes seconds)."""
+def read(path) -> "GGUFIndex":
+    """What the toolkit reads of the file (its metadata, and where each tensor's bytes are), once per
+    file version: parsed by gguf's reader the first time and kept as an index under
+    TOOLKIT_CACHE/gguf, since the parse walks the vocabulary element by element (seconds for a real
+    model, at every start)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -77,15 +82,95 @@ def read(path) -> "gguf.GGUFReader":  # noqa: F821
     return _read(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 
 
+@dataclass
+class IndexedField:
+    value: object
+
+    def contents(self):
+        return self.value
+
+
+@dataclass
+class IndexedTensor:
+    """A tensor's record (gguf's ReaderTensor's fields the loader uses); its bytes are mapped on use."""
+
+    path: str
+    name: str
+    tensor_type: int
+    shape: np.ndarray  # innermost dimension first, as GGUF lists them
+    n_bytes: int
+    data_offset: int
+
+    @functools.cached_property
+    def data(self) -> np.ndarray:
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_offset, shape=(self.n_bytes,))
+
+
+@dataclass
+class GGUFIndex:
+    fields: dict[str, IndexedField]
+    tensors: list[IndexedTensor]
+
+
+INDEX_VERSION = 1
+# A file whose vocabulary is smaller parses (and builds its tokenizer) in milliseconds: nothing is saved
+# for it, so test and toy files leave nothing behind in the cache.
+SAVE_MIN_TOKENS = 4096
+
+
 @functools.lru_cache(maxsize=2)
-def _read(path: str, mtime_ns: int, size: int):
+def _read(path: str, mtime_ns: int, size: int) -> GGUFIndex:
+    import hashlib
+
+    from toolkit import envs
+
+    key = hashlib.sha256(f"{INDEX_VERSION}\0{path}\0{mtime_ns}\0{size}".encode()).hexdigest()[:24]
+    saved = envs.cache_root() / "gguf" / f"{key}.json"
+    try:
+        return _index(path, json.loads(saved.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or damaged: parse the file
+        doc = _parse(path)
+        if len(doc["fields"].get("tokenizer.ggml.tokens") or ()) >= SAVE_MIN_TOKENS:
+            _save(saved, doc)
+        return _index(path, doc)
+
+
+def _index(path: str, doc: dict) -> GGUFIndex:
+    return GGUFIndex({k: IndexedField(v) for k, v in doc["fields"].items()},
+                     [IndexedTensor(path, t["name"], t["type"], np.array(t["shape"], dtype=np.uint64), t["n_bytes"],
+                                    t["offset"]) for t in doc["tensors"]])
+
+
+def _parse(path: str) -> dict:
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(path)
+        reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, EOFError, struct.error, OSError) as e:
         raise CheckpointError(f"{path} is not a readable GGUF file ({e}): it may be truncated or corrupt; "
                               "download or convert it again") from None
+    fields = {}
+    for key, field in reader.fields.items():
+        try:
+            fields[key] = field.contents()
+        except (ValueError, UnicodeDecodeError):  # a value gguf cannot decode: nothing the toolkit reads
+            pass
+    return {"fields": fields,
+            "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(n) for n in t.shape],
+                         "n_bytes": int(t.n_bytes), "offset": int(t.data_offset)} for t in reader.tensors]}
+
+
+def _save(saved: Path, doc: dict) -> None:
+    import os
+    import tempfile
+
+    try:  # written aside, then renamed: a concurrent process never reads half a file
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=saved.parent, suffix=".tmp", delete=False) as f:
+            json.dump(doc, f, default=lambda v: v.item() if isinstance(v, np.generic) else str(v))
+        os.replace(f.name, saved)
+    except OSError:  # a read-only or full cache: the next start parses again
+        pass
 
 
 def metadata(reader, key: str, default=...):
@@ -216,6 +301,8 @@ def _tokenizer(path: str, mtime_ns: int, size: int):
     if (saved / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(saved)
     tokenizer = AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
+    if len(tokenizer) < SAVE_MIN_TOKENS:
+        return tokenizer
     try:  # written aside, then renamed: a concurrent process never reads half a folder
         saved.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=saved.parent) as tmp:

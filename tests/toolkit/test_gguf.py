@@ -227,9 +227,11 @@ def test_the_cli_parses_a_files_tokenizer_once_and_each_caller_owns_its_copy(tmp
 def test_a_files_tokenizer_is_saved_once_and_the_saved_one_tokenizes_alike(tmp_path, monkeypatch):
     """A warm start reads the tokenizer transformers saved under TOOLKIT_CACHE instead of the file's
     vocabulary: the same ids, text, special tokens and chat template as the one built from the file."""
+    from toolkit import gguf_checkpoint
     from toolkit.gguf_checkpoint import _tokenizer, load_tokenizer
 
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_checkpoint, "SAVE_MIN_TOKENS", 0)  # as a real vocabulary is
     path = tmp_path / "tok.Q8_0.gguf"
     write_gguf(path, "llama", "Q8_0", seed=3, tokenizer=write_tokenizer(tmp_path / "tokenizer"))
     _tokenizer.cache_clear()
@@ -248,6 +250,38 @@ def test_a_files_tokenizer_is_saved_once_and_the_saved_one_tokenizes_alike(tmp_p
     assert (reloaded.eos_token_id, reloaded.bos_token_id, len(reloaded)) == (built.eos_token_id, built.bos_token_id,
                                                                             len(built))
     _tokenizer.cache_clear()
+
+
+def test_a_files_index_is_saved_and_read_back_as_gguf_reads_the_file(tmp_path, monkeypatch):
+    """Later starts read the file's metadata and tensor places from the index under TOOLKIT_CACHE:
+    the same values and bytes as gguf's own reader; a damaged index is parsed again."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from toolkit import gguf_checkpoint
+    from toolkit.gguf_checkpoint import _read, read
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_checkpoint, "SAVE_MIN_TOKENS", 0)  # as a real vocabulary is
+    path = tmp_path / "m.Q8_0.gguf"
+    write_gguf(path, "llama", "Q8_0", seed=3, tokenizer=write_tokenizer(tmp_path / "tokenizer"))
+    _read.cache_clear()
+    read(path)
+    saved = list((tmp_path / "cache" / "gguf").iterdir())
+    assert len(saved) == 1
+    reader = GGUFReader(path)
+    for damage in (None, "{", '{"fields": {}}'):
+        if damage is not None:
+            saved[0].write_text(damage)
+        _read.cache_clear()  # as a new process would
+        index = read(path)
+        assert {k: f.contents() for k, f in index.fields.items()} == {k: f.contents() for k, f in reader.fields.items()}
+        assert len(index.tensors) == len(reader.tensors) > 0
+        for got, want in zip(index.tensors, reader.tensors):
+            assert (got.name, got.tensor_type, got.shape.tolist(), got.n_bytes) == (
+                want.name, int(want.tensor_type), want.shape.tolist(), want.n_bytes)
+            assert np.array_equal(np.asarray(got.data), np.asarray(want.data).view(np.uint8).reshape(-1))
+    _read.cache_clear()
 
 
 def test_a_file_without_a_vocabulary_runs_token_ids_and_refuses_text_in_one_line(tmp_path):

@@ -186,6 +186,7 @@ def generate(
     prefill_tp: o.PrefillTensorParallelOpt = None,
     prefill_pp: o.PrefillPipelineParallelOpt = None,
     prefill_backlog: o.PrefillBacklogOpt = 64,
+    max_local_prefill_tokens: o.LocalPrefillOpt = 0,
     verbose: o.VerboseOpt = False,
 ):
     """Generate completions for one prompt or a file of them.
@@ -207,10 +208,12 @@ def generate(
         cpu_linear=cpu_linear, enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp,
         pp_layer_partition=pp_layer_partition, quantization=quantization,
     )
-    if prefill_instances or decode_instances or prefill_tp is not None or prefill_pp is not None:
+    if prefill_instances or decode_instances or prefill_tp is not None or prefill_pp is not None \
+            or max_local_prefill_tokens:
         engine.update(prefill_instances=prefill_instances, decode_instances=decode_instances,
                       prefill_tensor_parallel_size=prefill_tp, prefill_pipeline_parallel_size=prefill_pp,
-                      prefill_backlog=prefill_backlog)
+                      prefill_backlog=prefill_backlog,
+                      max_local_prefill_tokens=max_local_prefill_tokens)
     engine.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                               kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                               preemption_mode=preemption_mode))
@@ -277,20 +280,20 @@ def check_disaggregation(engine_args: dict) -> None:
     from toolkit.config import EngineConfig
 
     fields = {k: engine_args[k] for k in ("prefill_instances", "decode_instances", "prefill_tensor_parallel_size",
-                                          "prefill_pipeline_parallel_size",
+                                          "prefill_pipeline_parallel_size", "max_local_prefill_tokens",
                                           "data_parallel_size", "pipeline_parallel_size", "speculative_config",
                                           "kv_offloading_size", "kv_disk_cache_dir", "enable_expert_parallel")
               if k in engine_args}
     if not fields.get("prefill_instances") and not fields.get("decode_instances") \
             and fields.get("prefill_tensor_parallel_size") is None \
-            and fields.get("prefill_pipeline_parallel_size") is None:
+            and fields.get("prefill_pipeline_parallel_size") is None and not fields.get("max_local_prefill_tokens"):
         return
     try:
         EngineConfig(model="-", **fields)
     except ValueError as e:
         names = {"prefill_instances": "--prefill-instances", "decode_instances": "--decode-instances",
                  "prefill_tensor_parallel_size": "--prefill-tp", "data_parallel_size": "--dp",
-                 "prefill_pipeline_parallel_size": "--prefill-pp",
+                 "prefill_pipeline_parallel_size": "--prefill-pp", "max_local_prefill_tokens": "--max-local-prefill-tokens",
                  "pipeline_parallel_size": "--pp", "speculative_config": "--speculative-config",
                  "kv_offloading_size": "--kv-offloading-size", "kv_disk_cache_dir": "--kv-disk-cache-dir",
                  "enable_expert_parallel": "--enable-expert-parallel"}

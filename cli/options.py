@@ -172,6 +172,10 @@ PrefillTensorParallelOpt = Annotated[Optional[int], typer.Option(
 PrefillPipelineParallelOpt = Annotated[Optional[int], typer.Option(
     "--prefill-pp", "--prefill-pipeline-parallel-size", min=1, rich_help_panel=PARALLEL, show_default=False,
     help="Pipeline stages of the prefill instances, when not --pp (each decode stage receives its own layers' KV).")]
+LocalPrefillOpt = Annotated[int, typer.Option(
+    "--max-local-prefill-tokens", min=0, rich_help_panel=PARALLEL,
+    help="Disaggregated: prompts of at most this many tokens are computed by their decode instance instead of "
+         "being handed over (conditional disaggregation). 0: every prompt is handed over.")]
 PrefillBacklogOpt = Annotated[int, typer.Option(
     "--prefill-backlog", min=1, rich_help_panel=PARALLEL,
     help="Requests a prefill instance holds at once, computing or with their KV waiting for the decode side; "

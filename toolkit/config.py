@@ -140,6 +140,9 @@ class EngineConfig:
     # side has taken it; and the most a decode instance receives ahead of admitting them. Past it the
     # next ones wait, so the staged KV stays bounded on both sides.
     prefill_backlog: int = 64
+    # Conditional disaggregation (NVIDIA Dynamo's max_local_prefill_length): a prompt of at most this many
+    # tokens is computed by its decode instance, not handed over. 0: every prompt of 2+ tokens is.
+    max_local_prefill_tokens: int = 0
     load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
     compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
     cuda_graphs: bool = True  # on CUDA with the Triton backend, replay captured graphs for decode-only steps
@@ -250,6 +253,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        local = self.max_local_prefill_tokens
+        if not isinstance(local, numbers.Integral) or isinstance(local, bool) or local < 0:
+            raise ValueError(f"max_local_prefill_tokens must be an integer >= 0, got {local!r}")
         if (self.prefill_instances > 0) != (self.decode_instances > 0):
             raise ValueError(f"prefill_instances {self.prefill_instances} and decode_instances {self.decode_instances}: "
                              "disaggregation needs at least one of each (or 0 and 0 to colocate)")
@@ -257,6 +263,8 @@ class EngineConfig:
             for name in ("prefill_tensor_parallel_size", "prefill_pipeline_parallel_size"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} needs prefill_instances and decode_instances")
+            if self.max_local_prefill_tokens:
+                raise ValueError("max_local_prefill_tokens needs prefill_instances and decode_instances")
 
     def _check_kv_hierarchy(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_cache_size"):

@@ -15,7 +15,9 @@ Every rank is fed every request, in the same order (SPMD, as under TP), and the 
   forward computes the last prompt token and samples the first output token, with the request's own
   sampling parameters: from there it is an ordinary request, so outputs equal the colocated engine's.
   A request with a one-token prompt, or wanting prompt logprobs, is computed by the decode instance
-  alone; so is one the prefill side failed (READY with ok = 0).
+  alone; so is one the prefill side failed (READY with ok = 0), and one whose prompt is at most
+  `max_local_prefill_tokens` long (conditional disaggregation: a short prompt costs the decode
+  instance less than its handoff and the prefill instance's queue cost it).
 - At the end of a `generate` call the decode instances' outputs are gathered on global rank 0, which
   first waits for every decode instance's DONE (their heartbeats tell a long decode from a hung one).
 """
@@ -68,8 +70,9 @@ class _Role:
     hooks (engine/build.py's NoHooks is the colocated engine's): it takes the requests routed to its
     instance, and works before and after the core's own step."""
 
-    def __init__(self, disagg: Disaggregation):
+    def __init__(self, disagg: Disaggregation, max_local_prefill: int = 0):
         self.disagg = disagg
+        self.max_local_prefill = max_local_prefill
         self.router = Router(disagg.layout)
         self.waiter = SendWaiter()
         self.control = ControlPlane(disagg, self.waiter)
@@ -83,11 +86,17 @@ class _Role:
     def role(self) -> str:
         return self.disagg.role
 
-    def route(self, prompt_len: int, max_tokens: int) -> tuple[int, int, int]:
+    def route(self, prompt_len: int, max_tokens: int, handoff: bool) -> tuple[int, int, int]:
         """(seq, prefill instance, decode instance) of the next request fed to the job."""
-        p, d = self.router.route(prompt_len, max_tokens)
+        p, d = self.router.route(prompt_len, max_tokens, handoff)
         self._seq += 1
         return self._seq, p, d
+
+    def handoff(self, prompt_token_ids: list[int], params: SamplingParams) -> bool:
+        """Whether a prefill instance computes the request's prompt: not for a one-token prompt (nothing
+        to hand over), one at most max_local_prefill tokens long, nor one that wants prompt logprobs
+        (they are computed with the prompt)."""
+        return len(prompt_token_ids) > max(1, self.max_local_prefill) and params.prompt_logprobs is None
 
     def transfer(self, plan) -> list:
         from toolkit.attention.kv_transfer import run_transfers
@@ -127,8 +136,9 @@ class _Role:
 
 
 class PrefillRole(_Role):
-    def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64):
-        super().__init__(disagg)
+    def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64,
+                 max_local_prefill: int = 0):
+        super().__init__(disagg, max_local_prefill)
         self.backlog = backlog
         self.block_size = block_size
         self._blocks: dict[str, int] = {}  # request id -> blocks of KV it sends (READY says so)
@@ -143,10 +153,11 @@ class PrefillRole(_Role):
 
     def add_request(self, engine, request_id, prompt_token_ids, params: SamplingParams, prompt, priority,
                     arrival_time, cache_salt) -> None:
-        seq, p, d = self.route(len(prompt_token_ids), params.max_tokens or engine.max_model_len)
+        handoff = self.handoff(prompt_token_ids, params)
+        seq, p, d = self.route(len(prompt_token_ids), params.max_tokens or engine.max_model_len, handoff)
         if self.disagg.rank == 0 and not self._call_open:  # the first request of a call
             self._open_call()
-        if p != self.disagg.instance.index or not _handoff(prompt_token_ids, params):
+        if p != self.disagg.instance.index or not handoff:
             return
         self._tags[request_id] = seq
         self._peers[request_id] = self.disagg.instances("decode")[d]
@@ -251,8 +262,9 @@ class PrefillRole(_Role):
 
 
 class DecodeRole(_Role):
-    def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, ahead: int = 64):
-        super().__init__(disagg)
+    def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, ahead: int = 64,
+                 max_local_prefill: int = 0):
+        super().__init__(disagg, max_local_prefill)
         self.connector = DecodeConnector(block_size)
         self.worker = KVReceiver(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__,
                                  ahead=ahead)
@@ -267,12 +279,13 @@ class DecodeRole(_Role):
 
     def add_request(self, engine, request_id, prompt_token_ids, params: SamplingParams, prompt, priority,
                     arrival_time, cache_salt) -> None:
-        seq, p, d = self.route(len(prompt_token_ids), params.max_tokens or engine.max_model_len)
+        handoff = self.handoff(prompt_token_ids, params)
+        seq, p, d = self.route(len(prompt_token_ids), params.max_tokens or engine.max_model_len, handoff)
         if d != self.disagg.instance.index:
             return
         self._served.add(request_id)
         args = (request_id, prompt_token_ids, params, prompt, priority, arrival_time, cache_salt)
-        if not _handoff(prompt_token_ids, params):
+        if not handoff:
             engine._add_request(*args)  # computed here alone
             return
         expected = _Expected(seq, p, args, time.monotonic())
@@ -391,16 +404,11 @@ class DecodeRole(_Role):
             self.control.send(0, DONE)
 
 
-def _handoff(prompt_token_ids: list[int], params: SamplingParams) -> bool:
-    """Whether the prefill instance computes the request's prompt: not for a one-token prompt (nothing
-    to hand over) nor for one that wants prompt logprobs (they are computed with the prompt)."""
-    return len(prompt_token_ids) > 1 and params.prompt_logprobs is None
-
-
-def build_role(disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64) -> _Role:
+def build_role(disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64,
+               max_local_prefill: int = 0) -> _Role:
     if disagg.role == "prefill":
-        return PrefillRole(disagg, block_size, kv_caches, num_kv_heads, backlog)
-    return DecodeRole(disagg, block_size, kv_caches, num_kv_heads, ahead=backlog)
+        return PrefillRole(disagg, block_size, kv_caches, num_kv_heads, backlog, max_local_prefill)
+    return DecodeRole(disagg, block_size, kv_caches, num_kv_heads, ahead=backlog, max_local_prefill=max_local_prefill)
 
 
 def gather_decoded(disagg: Disaggregation, obj) -> list | None:

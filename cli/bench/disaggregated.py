@@ -78,6 +78,9 @@ def disagg(
     threads: Annotated[int, typer.Option(min=1, help="torch threads per rank.")] = 1,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Token budget per step (chunked prefill).")] = 512,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    max_local_prefill_tokens: Annotated[int, typer.Option(
+        min=0, help="Disaggregated runs: prompts of at most this many tokens are computed by their decode "
+                    "instance (conditional disaggregation); 0: every prompt is handed over.")] = 0,
     speculative_config: Annotated[Optional[str], typer.Option(
         "--speculative-config", metavar="JSON",
         help="Also run each layout with this speculative_config on its decode instances (vLLM's dict as JSON, "
@@ -117,10 +120,13 @@ def disagg(
     # The colocated peer on the same ranks as each layout (or --dp replicas).
     worlds = [dp] if dp else sorted({p + d for p, d in layouts})
     systems = [(f"colocated (dp={n})", {"data_parallel_size": n}) for n in worlds]
-    systems += [(f"disaggregated {p}:{d}", {"prefill_instances": p, "decode_instances": d}) for p, d in layouts]
+    local = {"max_local_prefill_tokens": max_local_prefill_tokens} if max_local_prefill_tokens else {}
+    systems += [(f"disaggregated {p}:{d}", {"prefill_instances": p, "decode_instances": d, **local})
+                for p, d in layouts]
     if spec is not None:  # the same layouts, speculating on their decode instances
         systems += [(f"disaggregated {p}:{d} + {spec['method']}", {"prefill_instances": p, "decode_instances": d,
-                                                                   "speculative_config": spec}) for p, d in layouts]
+                                                                   "speculative_config": spec, **local})
+                    for p, d in layouts]
     warm = {"prompt_token_ids": requests[0]["prompt_token_ids"][:64], "output_len": 4, "arrival_s": 0.0}
     results = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

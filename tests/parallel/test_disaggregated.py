@@ -190,7 +190,8 @@ def composed(case) -> list[dict]:
     model (mixtral) with expert parallelism: the TP-2 decode instance splits the experts over its two
     ranks (all-to-all), the TP-1 prefill instance holds them all; and the decode instance as two
     data-parallel replicas splitting the experts between them, stepping in lockstep (a dense model's
-    replicas are routed apart and step alone). Weight-only int8 on 1 prefill + 2 decode instances (one
+    replicas are routed apart and step alone, here with prompts of up to 17 tokens computed on the
+    decode side: conditional disaggregation). Weight-only int8 on 1 prefill + 2 decode instances (one
     rank each), against the single int8 process. Priority scheduling (later prompts first) on both
     instances, under the small decode cache. (Loading requests in another order than their KV was
     sent in is checked on the data plane: test_kv_blocks_move_between_instances_resplit_across_tp_sizes.)"""
@@ -199,7 +200,7 @@ def composed(case) -> list[dict]:
     return [{**P2_D1, "model": llama, "speculative_config": NGRAM, "prefill_backlog": 1},
             {**P1_D2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
             {**P1_D_DP2, **UNCHUNKED, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
-            {**P1_D_DP2, "model": llama},
+            {**P1_D_DP2, "model": llama, "max_local_prefill_tokens": 17},
             {"prefill_instances": 1, "decode_instances": 2, "model": llama, "quantization": "int8"},
             {**P1_D2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
             {**small, "kv_offloading_size": TIER_GIB},
@@ -279,7 +280,9 @@ def check_runs(case, reports: list[dict], runs: int) -> None:
         # token was handed over: the decode side computed none of them itself.
         sent = sum(d["handoff"]["requests"] for d in roles if d["role"] == "prefill" and d["local_rank"] == 0)
         received = sum(d["kv"]["transfers"] for d in roles if d["role"] == "decode" and d["local_rank"] == 0)
-        handed = sum(len(p) > 1 for p in json.loads(case.prompts.read_text()))
+        # (conditional disaggregation: prompts up to max_local_prefill_tokens stay on the decode side)
+        local = max(1, run["layout"].get("max_local_prefill_tokens", 0))
+        handed = sum(len(p) > local for p in json.loads(case.prompts.read_text()))
         assert sent == received == handed * (2 if run["sampled"] is not None else 1), (where, roles)
         assert all(d["handoff"]["failed"] == d["handoff"]["dropped"] == 0 for d in roles), (where, roles)
         assert all("toolkit:disagg_kv_bytes" in r["runs"][i]["metrics"] for r in reports)

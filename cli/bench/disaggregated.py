@@ -202,8 +202,9 @@ def role_line(role: dict) -> str:
     else:
         per = role["kv"]
         rate = kv["bytes"] / kv["seconds_total"] / 1e9 if kv["seconds_total"] else 0.0
-        parts.append(f"{kv['transfers']} received, {kv['bytes'] / 2**20:.1f} MiB, receive p50/p99 "
-                     f"{ms(per['seconds_p50'])}/{ms(per['seconds_p99'])} ms ({rate:.2f} GB/s)")
+        # (posted when READY came: the wait is what was still arriving when the request was admitted)
+        parts.append(f"{kv['transfers']} received, {kv['bytes'] / 2**20:.1f} MiB, wait at admission p50/p99 "
+                     f"{ms(per['seconds_p50'])}/{ms(per['seconds_p99'])} ms ({rate:.2f} GB/s while waited)")
         parts.append(f"TTFT p50 {ms(role['ttft']['p50'])} ms, TPOT p50 {ms(role['tpot']['p50'])} ms")
         spec = role.get("spec_decode")
         if spec and spec["acceptance_rate"] is not None:  # since start, the warm-up's few drafts included

@@ -41,7 +41,7 @@ def info(
     dp: Annotated[Optional[int], typer.Option("--dp", min=1, show_default=False, help="See --tp.")] = None,
     prefill_instances: Annotated[int, typer.Option(
         min=0, help="With --decode-instances: a disaggregated layout's host table, per role (--tp, --pp: the "
-                    "decode instances' shape).")] = 0,
+                    "decode instances' shape; --dp: replicas of each).")] = 0,
     decode_instances: Annotated[int, typer.Option(min=0, help="See --prefill-instances.")] = 0,
     prefill_tp: Annotated[Optional[int], typer.Option(
         min=1, show_default=False, help="TP size of the prefill instances. Default: --tp.")] = None,
@@ -77,7 +77,8 @@ def info(
         if prefill_instances or decode_instances:
             if not (prefill_instances and decode_instances):
                 raise CliError("--prefill-instances and --decode-instances go together (at least one of each)")
-            report["disaggregated"] = _disaggregated(model, dtype, prefill_instances, decode_instances,
+            # --dp: each decode instance's replicas, each a row's instance (what memory each one takes)
+            report["disaggregated"] = _disaggregated(model, dtype, prefill_instances, decode_instances * (dp or 1),
                                                      (prefill_pp or pp or 1, prefill_tp or tp or 1),
                                                      (pp or 1, tp or 1), block_size, max_num_seqs, max_model_len,
                                                      max_request_tokens)

@@ -189,5 +189,10 @@ def test_info_shows_each_disaggregated_instance(ckpt):
     shown = json.loads(result.stdout)["disaggregated"]
     assert [(r["role"], r["tp"], r["pp"], r["processes"]) for r in shown["rows"]] == [("prefill", 2, 1, 2),
                                                                                       ("decode", 1, 2, 2)]
+    result = runner.invoke(app, ["info", str(ckpt), "--json", "--prefill-instances", "1", "--decode-instances", "1",
+                                 "--dp", "2", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)["disaggregated"]  # a decode instance of 2 replicas: 2 processes
+    assert [(r["role"], r["instances"], r["processes"]) for r in shown["rows"]] == [("prefill", 1, 1), ("decode", 2, 2)]
     half = runner.invoke(app, ["info", str(ckpt), "--prefill-instances", "1"])
     assert half.exit_code == 2 and "go together" in half.output

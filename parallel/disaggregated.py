@@ -295,10 +295,11 @@ class Router:
         self.pending = [0] * layout.count("prefill")
         self.promised = [0] * layout.count("decode")
 
-    def route(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
+    def route(self, prompt_len: int, max_tokens: int, handoff: bool = True) -> tuple[int, int]:
+        """`handoff=False`: the decode instance computes the prompt itself (no prefill instance's work)."""
         p = min(range(len(self.pending)), key=lambda i: (self.pending[i], i))
         d = min(range(len(self.promised)), key=lambda i: (self.promised[i], i))
-        self.pending[p] += prompt_len
+        self.pending[p] += prompt_len if handoff else 0
         self.promised[d] += prompt_len + max_tokens
         return p, d
 

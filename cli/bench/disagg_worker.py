@@ -34,8 +34,8 @@ def main(spec_path: str) -> None:
     engine = llm.engine
     requests = spec["requests"]
     mine = _share(engine, requests)
-    # Every graph compiles outside the timed run: one warm request per rank reaches every instance.
-    warm = [spec["warm"]] * dist.get_world_size()
+    # Every graph compiles outside the timed run: the warm requests once per rank reach every instance.
+    warm = list(spec["warm"]) * dist.get_world_size()
     _run(engine, warm, _share(engine, warm), "warm", None)
     engine.front.reset_times()
     startup_s = time.perf_counter() - start

@@ -127,7 +127,14 @@ def disagg(
         systems += [(f"disaggregated {p}:{d} + {spec['method']}", {"prefill_instances": p, "decode_instances": d,
                                                                    "speculative_config": spec, **local})
                     for p, d in layouts]
-    warm = {"prompt_token_ids": requests[0]["prompt_token_ids"][:64], "output_len": 4, "arrival_s": 0.0}
+    # Warm-up requests that reach every instance's graphs before the timing: one a prefill instance
+    # computes (longer than max_local_prefill_tokens) and, with conditional disaggregation, one its
+    # decode instance computes itself. (With only a 64-token one, N >= 64 left the prefill rank to
+    # compile inside the timed run.)
+    source = max((r["prompt_token_ids"] for r in requests), key=len)
+    warm = [{"prompt_token_ids": source[:max(64, max_local_prefill_tokens + 1)], "output_len": 4, "arrival_s": 0.0}]
+    if max_local_prefill_tokens > 1:
+        warm.append({"prompt_token_ids": source[:max_local_prefill_tokens], "output_len": 4, "arrival_s": 0.0})
     results = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=False) as bar:

@@ -208,12 +208,9 @@ def generate(
         cpu_linear=cpu_linear, enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp,
         pp_layer_partition=pp_layer_partition, quantization=quantization,
     )
-    if prefill_instances or decode_instances or prefill_tp is not None or prefill_pp is not None \
-            or max_local_prefill_tokens:
-        engine.update(prefill_instances=prefill_instances, decode_instances=decode_instances,
-                      prefill_tensor_parallel_size=prefill_tp, prefill_pipeline_parallel_size=prefill_pp,
-                      prefill_backlog=prefill_backlog,
-                      max_local_prefill_tokens=max_local_prefill_tokens)
+    engine.update(o.disagg_kwargs(prefill_instances=prefill_instances, decode_instances=decode_instances,
+                                  prefill_tp=prefill_tp, prefill_pp=prefill_pp, prefill_backlog=prefill_backlog,
+                                  max_local_prefill_tokens=max_local_prefill_tokens))
     engine.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                               kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                               preemption_mode=preemption_mode))

@@ -133,6 +133,18 @@ def kv_kwargs(*, enable_prefix_caching: bool, kv_offloading_size: float | None, 
                 kv_disk_cache_size=kv_disk_cache_size, preemption_mode=preemption_mode.value)
 
 
+def disagg_kwargs(*, prefill_instances: int, decode_instances: int, prefill_tp: int | None, prefill_pp: int | None,
+                  prefill_backlog: int, max_local_prefill_tokens: int) -> dict:
+    """EngineConfig's disaggregation fields from the options; none when no disaggregation option is
+    given (one that is, without instances, reaches EngineConfig and its clear error)."""
+    if not (prefill_instances or decode_instances or prefill_tp is not None or prefill_pp is not None
+            or max_local_prefill_tokens):
+        return {}
+    return dict(prefill_instances=prefill_instances, decode_instances=decode_instances,
+                prefill_tensor_parallel_size=prefill_tp, prefill_pipeline_parallel_size=prefill_pp,
+                prefill_backlog=prefill_backlog, max_local_prefill_tokens=max_local_prefill_tokens)
+
+
 DeviceOpt = Annotated[Optional[str], typer.Option(
     rich_help_panel=ENGINE, show_default=False, help="cuda, cuda:1, cpu, ... Default: cuda when available.")]
 

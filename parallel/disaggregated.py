@@ -1,7 +1,8 @@
 """Disaggregated prefill and decode (#22), the distributed side: the job's layout into prefill and
 decode instances and their process groups (`setup_disaggregated`), the router's choice of
 instances, the data plane that moves a request's KV blocks from a prefill instance's caches into a
-decode instance's, every layer of a TP shard in one message (`send_kv`, `recv_kv`, and the KV connector
+decode instance's, one message per pair of ranks sharing layers and heads (`send_kv`, `post_recv_kv` /
+`place_kv`, and the KV connector
 workers `KVSender`, `KVReceiver` that carry out the step plans of scheduling/disaggregated.py), and
 the control plane (`ControlPlane`): small messages on a gloo group saying a request's KV is ready,
 that a decode instance is alive, and that it is done.
@@ -717,6 +718,9 @@ class KVReceiver(_KVWorker):
     def expect(self, seq: int, peer: Instance, num_blocks: int) -> None:
         """Request `seq`'s KV (`num_blocks` blocks) is on its way from `peer`."""
         self._queue.append((seq, peer, num_blocks))
+        self._post_ahead()
+
+    def _post_ahead(self) -> None:
         while self._queue and len(self._posted) < self.ahead:
             self._post_next()
 
@@ -732,8 +736,7 @@ class KVReceiver(_KVWorker):
         for copy in (c for c in plan.deletes if c.tier == "remote"):
             self._place(copy.key, [], keep=False)
             self.stats.dropped += 1
-        while self._queue and len(self._posted) < self.ahead:
-            self._post_next()
+        self._post_ahead()  # the room the loads freed
 
     def _place(self, rid: str, blocks: list[int], keep: bool) -> None:
         seq = self.tag_of(rid)

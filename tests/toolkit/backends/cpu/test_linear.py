@@ -13,6 +13,13 @@ PANELS = LinearPlan(panels=True, onednn=False, small_m=NEVER, source="test")
 BOTH = LinearPlan(panels=True, onednn=True, small_m=4, source="test")  # panels up to 4 rows, oneDNN above
 
 
+def _needs_native_onednn(dtype) -> None:
+    """oneDNN packs bf16 only with native units (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); without them
+    plan_for never plans it (test_plans_by_rule_and_by_config checks that refusal)."""
+    if not linear.onednn_native(dtype):
+        pytest.skip(f"oneDNN has no native {dtype} on this CPU: the engine never plans oneDNN linears here")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def built():
     assert kernels.load() == {}  # a machine that runs the suite has a C++ compiler: a failed build fails
@@ -50,6 +57,7 @@ def test_float32_panels_match_float64(n, k, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_above_small_m_go_to_onednn_and_agree(dtype):
+    _needs_native_onednn(dtype)
     lin = _linear(70, 300, True, seed=3, dtype=dtype)
     both, panels_only = CPULinear(lin, BOTH), CPULinear(lin, PANELS)
     assert both.panels is not None and both.onednn_weight is not None and panels_only.onednn_weight is None
@@ -117,6 +125,7 @@ def test_float32_logits_over_bf16_weights_are_float32_where_they_compete():
         bumped[j] = (row[j:j + 1].view(torch.int16) + 2).view(torch.bfloat16)[0]  # larger, of x0[j]'s sign
         head.weight[a], head.weight[b] = row.float(), bumped.float()
     head = head.to(torch.bfloat16)
+    _needs_native_onednn(torch.bfloat16)
     packed = CPULinear(head, BOTH)
     assert packed.panels is not None and packed.onednn_weight is not None
     for m in (1, 4, 5, 64):  # panels up to 4 rows, oneDNN above

@@ -1,9 +1,19 @@
 """Fixtures shared by several test files, and the hypothesis profile every test runs under."""
 
+import os
+
 import pytest
 import torch
 
 from tests.hypothesis_profiles import PROFILE, profile_violation  # registers and loads the profile
+
+
+# The suite builds hundreds of short-lived engines over many tiny shapes and thread counts. A step saved
+# ahead of time is compiled without Inductor's graph cache (torch's aot_compile bypasses it), so each new
+# key would cost a cold compile where the JIT step finds the graph another test compiled: the suite runs
+# the JIT step unless a test asks for the saved one (tests/toolkit/test_compiled_cache.py does). Set
+# before any engine or subprocess reads it; a value already set wins.
+os.environ.setdefault("TOOLKIT_COMPILE_CACHE", "0")
 
 
 def pytest_report_header(config):

@@ -153,6 +153,9 @@ class EngineConfig:
     cpu_linear: str = field(default_factory=envs.cpu_linear)
     # Compiled CPU steps run Inductor's C++ wrapper: no Python between the kernels of a step.
     cpp_wrapper: bool = field(default_factory=envs.cpp_wrapper)
+    # Compiled CPU steps are saved under $TOOLKIT_CACHE/compiled and loaded at the next start instead of
+    # traced again (toolkit/compiled_cache.py).
+    compile_cache: bool = field(default_factory=envs.compile_cache)
     # Weight-only quantization at load, from any checkpoint (toolkit/quantization.py): None, or "int8"
     # (one float32 scale per output channel; activations stay in dtype). Halves bf16's weight bytes.
     quantization: str | None = None

@@ -6,10 +6,11 @@ Read lazily, on each call, so a test or a notebook can change one before buildin
 
 | variable | default | what it sets |
 |---|---|---|
-| `TOOLKIT_CACHE` | `~/.cache/toolkit` | the root of everything built: kernels, Inductor's caches, kernel choices, the default model, GGUF files' indexes and tokenizers |
+| `TOOLKIT_CACHE` | `~/.cache/toolkit` | the root of everything built: kernels, Inductor's caches, kernel choices, the default model, GGUF files' indexes and tokenizers, compiled steps |
 | `TOOLKIT_CPU_KERNELS` | `1` | `EngineConfig.cpu_kernels`: build and use the C++ CPU kernels (0: torch's own ops) |
 | `TOOLKIT_CPU_LINEAR` | `auto` | `EngineConfig.cpu_linear`: which linear implementation serves which row counts |
 | `TOOLKIT_CPP_WRAPPER` | `1` | `EngineConfig.cpp_wrapper`: compiled CPU steps run Inductor's C++ wrapper |
+| `TOOLKIT_COMPILE_CACHE` | `1` | `EngineConfig.compile_cache`: compiled CPU steps are saved under `$TOOLKIT_CACHE/compiled` and loaded at the next start |
 | `CXX` | `c++` | the C++ compiler for the CPU kernels |
 | `ONEDNN_PRIMITIVE_CACHE_CAPACITY` | set to `4096` on import if unset | oneDNN's own: how many compiled matmul primitives it keeps (see `set_process_defaults`) |
 
@@ -54,6 +55,10 @@ def cpu_linear() -> str:
 
 def cpp_wrapper() -> bool:
     return _flag("TOOLKIT_CPP_WRAPPER", True)
+
+
+def compile_cache() -> bool:
+    return _flag("TOOLKIT_COMPILE_CACHE", True)
 
 
 def cxx() -> str:

@@ -202,10 +202,11 @@ class ModelRunner:
 
 
 def num_compiled_graphs() -> int:
-    """Graphs dynamo has produced in this process: a new one means a (re)compile happened."""
+    """Graphs dynamo has produced in this process, and compiled steps loaded from disk
+    (toolkit/compiled_cache.py): a new one means a (re)compile, or a load in its place, happened."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"]
+    return counters["stats"]["unique_graphs"] + counters["toolkit"]["loaded_steps"]
 
 
 def utilization_budget(free: int, total: int, utilization: float) -> int:

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from toolkit import envs
+from toolkit import compiled_cache, envs
 from toolkit.merged_linear import merge_linears
 
 log = logging.getLogger("toolkit")
@@ -80,7 +80,7 @@ def apply(model: torch.nn.Module, kv_caches: list[torch.Tensor], config, backend
     if config.enforce_eager:
         step = Step(model, kv_caches, compiled=False)
     else:
-        step = Step(compile_step(model, config, backend), kv_caches, compiled=True)
+        step = Step(compile_step(model, config, backend, tp, list(applied)), kv_caches, compiled=True)
         applied.append(f"compiled ({config.compile_backend}, options {backend.compile_options()})")
     wrapped = backend.wrap_step(step)
     if wrapped is not step:
@@ -89,9 +89,10 @@ def apply(model: torch.nn.Module, kv_caches: list[torch.Tensor], config, backend
     return wrapped, applied
 
 
-def compile_step(model: torch.nn.Module, config, backend):
+def compile_step(model: torch.nn.Module, config, backend, tp=None, applied: list[str] = ()):
     """The whole model as one torch.compile'd function, dynamic in every batch size (the runner marks
-    them), with a Dynamo cache of its own."""
+    them), with a Dynamo cache of its own; where it applies, kept on disk between processes
+    (toolkit/compiled_cache.py; `applied`, what the changes before compiling did, is part of its key)."""
 
     def step(input_ids, positions, kv_caches, meta, logits_indices, hidden=None):
         return model(input_ids, positions, kv_caches, meta, logits_indices, hidden)
@@ -100,6 +101,11 @@ def compile_step(model: torch.nn.Module, config, backend):
     # one: a copy of the code gives each engine a cache of its own, freed with the engine, so a process
     # that builds engine after engine never reaches Dynamo's recompile limit, and, with the guards on
     # the model dropped below, no engine can be handed a graph another engine's model was traced for.
+    if compiled_cache.applies(config, backend.attention_backend(), tp):
+        _use_persistent_inductor_cache()
+        options = {**backend.compile_options(), "guard_filter_fn": _guards_on_inputs}
+        return compiled_cache.CachedStep(step, model, options, list(applied),
+                                         jit=lambda: compile_function(step, config, backend))
     return compile_function(step, config, backend)
 
 

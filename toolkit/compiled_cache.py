@@ -30,9 +30,7 @@ import hashlib
 import io
 import json
 import logging
-import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
@@ -133,11 +131,9 @@ class CachedStep:
 
     def _save(self, graph, path: Path) -> None:
         try:
-            data = type(graph).serialize(graph, {"model": self.model}).serialized_data
             path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, delete=False) as f:
-                f.write(data)
-            os.replace(f.name, path)  # whole or not at all: a reader never sees half a file
+            # torch writes it aside and renames it: a reader never sees half a file.
+            graph.save_compiled_function(str(path), external_data={"model": self.model})
         except Exception as e:  # the graph still serves this process; the next start compiles again
             log.warning("could not save the compiled step to %s (%s: %s)", path, type(e).__name__, e)
 

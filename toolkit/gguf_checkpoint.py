@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from toolkit import gguf_quants
 from toolkit.config import UnsupportedModelError
 from toolkit.weights import CheckpointError
 
@@ -36,7 +37,8 @@ SUFFIX = ".gguf"
 # by llama.cpp's converter (the Qwen families use its NeoX RoPE, which needs no permutation).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 PERMUTED_QK = ("llama",)
-# Tensor types de-quantized at load (gguf.quants), each checked against transformers by the tests. The
+# Tensor types de-quantized at load (toolkit/gguf_quants.py: torch for Q4_0, Q4_1 and Q8_0, gguf.quants
+# for the rest), each checked against transformers by the tests. The
 # K-quants' blocks hold 256 values (the others' 32): a TP rank reads only its columns' bytes where its
 # range starts and ends on 256, and whole rows, cut, where it does not.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -377,7 +379,7 @@ class GGUFSlice:
         """`index`: a slice or a tuple of slices (what the loader and tensor-parallel plans pass)."""
         index = index if isinstance(index, tuple) else (index,)
         if len(self.shape) == 1:
-            values = torch.from_numpy(self._dequantize(self._bytes_per_row())).reshape(-1)
+            values = self._dequantize(self._bytes_per_row()).reshape(-1)
             return (values if self.row_order is None else values[torch.from_numpy(self.row_order)])[index]
         rows = np.arange(self.shape[0])[index[0] if index else slice(None)]
         if self.row_order is not None:
@@ -388,15 +390,11 @@ class GGUFSlice:
         if step == 1 and start % self.block == 0 and (stop % self.block == 0 or stop == self.shape[1]):
             # Whole blocks: read only those bytes of each row.
             first, end = start // self.block * self.block_bytes, -(-stop // self.block) * self.block_bytes
-            return torch.from_numpy(self._dequantize(data[rows, first:end]))[:, :stop - start].contiguous()
-        return torch.from_numpy(self._dequantize(data[rows]))[:, cols].contiguous()
+            return self._dequantize(data[rows, first:end])[:, :stop - start].contiguous()
+        return self._dequantize(data[rows])[:, cols].contiguous()
 
     def _bytes_per_row(self) -> np.ndarray:
         return np.asarray(self.tensor.data).view(np.uint8).reshape(self.shape[0] if len(self.shape) > 1 else 1, -1)
 
-    def _dequantize(self, raw: np.ndarray) -> np.ndarray:
-        from gguf.quants import dequantize
-
-        values = dequantize(np.ascontiguousarray(raw), self.qtype)
-        # F32 rows come back as views of the read-only mapping: a copy the model may own.
-        return np.require(values, np.float32, ["C", "W"]).reshape(raw.shape[0], -1)
+    def _dequantize(self, raw: np.ndarray) -> torch.Tensor:
+        return gguf_quants.dequantize(raw, self.qtype)

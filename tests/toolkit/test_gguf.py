@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from tests.checkpoints import COMMON, random_prompts, write_tokenizer
 from tests.gguf_files import K_DIMS, K_QUANTS, Q4_K_M, hf_greedy, k_quantize, llama_cpp_permute, write_gguf
 from tests.toolkit.test_parity import first_diff, prefill_logits
-from toolkit import LLM, SamplingParams
+from toolkit import LLM, SamplingParams, gguf_quants
 from toolkit.cli.main import app
 from toolkit.config import UnsupportedModelError, load_model_config
 from toolkit.gguf_checkpoint import SUPPORTED_TYPES, GGUFTensors, unpermute_order
@@ -76,7 +76,7 @@ def test_transformers_reads_the_written_file_as_the_oracle_does(qtype, tmp_path)
         torch.testing.assert_close(theirs[name], value, atol=0, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
 def test_a_ranks_slice_reads_only_its_part_and_equals_the_whole_tensors(qtype, tmp_path):
     """Tensor-parallel slices: rows (q's permuted ones too), block-aligned and unaligned columns."""
     path = tmp_path / "llama.gguf"
@@ -98,6 +98,28 @@ def test_a_ranks_slice_reads_only_its_part_and_equals_the_whole_tensors(qtype, t
         for index in [(slice(rows // 2, rows), slice(0, cols)), *aligned, (slice(8, 24), slice(5, 40)),
                       (slice(0, rows), slice(0, cols // 2))]:
             torch.testing.assert_close(sl[index], whole[index], atol=0, rtol=0, msg=f"{name}{index}")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_1", "F16", "F32"])
+def test_torch_dequantization_is_ggufs_bit_for_bit(qtype):
+    """toolkit/gguf_quants.py against gguf.quants on random blocks: every byte of the quants drawn, and
+    scales and minimums over float16's range (negative, zero, subnormal, large)."""
+    rng = np.random.default_rng(0)
+    size, block_bytes = GGML_QUANT_SIZES[Q[qtype]]
+    raw = rng.integers(0, 256, (7, 9 * block_bytes), dtype=np.uint8)
+    if qtype.startswith("Q"):
+        heads = {"Q4_1": 2, "Q5_1": 2}.get(qtype, 1)
+        halves = np.concatenate([rng.normal(0, 1, 30) * 10.0 ** rng.integers(-7, 4, 30), [0, -0.0, 6e-8, -65504]])
+        scales = rng.choice(halves, (7, 9, heads)).astype(np.float16).view(np.uint8).reshape(7, 9, 2 * heads)
+        raw.reshape(7, 9, block_bytes)[..., :2 * heads] = scales
+    else:  # whole floats: draw finite ones
+        dtype = {"F16": np.float16, "F32": np.float32}[qtype]
+        values = rng.normal(0, 1, 7 * 9 * block_bytes // np.dtype(dtype).itemsize).astype(dtype)
+        raw = values.view(np.uint8).reshape(7, -1)
+    ours = gguf_quants.dequantize(raw, Q[qtype])
+    expected = gguf.quants.dequantize(raw, Q[qtype]).reshape(7, -1)
+    assert ours.dtype == torch.float32 and ours.shape == (7, 9 * size)
+    assert np.array_equal(ours.numpy().view(np.uint32), expected.view(np.uint32))
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)

@@ -378,13 +378,14 @@ def run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, 
     if not io.input.is_file():
         raise CliError(f"input file not found: {io.input}")
     # Global rank 0 holds the output's lock for the whole job (the other ranks write only shards).
-    with OutputLock(io.output if ranks.main else None):
-        try:
+    try:
+        with OutputLock(io.output if ranks.main else None) as lock:
+            lock.take()
             return _run_file(io, model, sampling, engine_args, ranks)
-        except KeyboardInterrupt as e:  # before _run_file had counted the input (it says how far, after)
-            done = io.output.read_bytes().count(b"\n") if io.output is not None and io.output.is_file() else 0
-            total = sum(1 for _ in iter_lines(io.input))
-            raise CliError(_interrupted(e, io, ranks, done, total, RunStats()), code=exit_code(e)) from None
+    except KeyboardInterrupt as e:  # before _run_file had counted the input (it says how far, after)
+        done = io.output.read_bytes().count(b"\n") if io.output is not None and io.output.is_file() else 0
+        total = sum(1 for _ in iter_lines(io.input))
+        raise CliError(_interrupted(e, io, ranks, done, total, RunStats()), code=exit_code(e)) from None
 
 
 def _run_file(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, ranks: Ranks) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_held: list[list[int]] = []  # one list per held() block open, of the signals that came inside it
 
 
 class Interrupted(KeyboardInterrupt):
@@ -47,6 +48,9 @@ def interruptible() -> Iterator[None]:
         if raised:  # the first is being handled (cleanup, the message): a second one ends the process
             os._exit(128 + signum)
         raised.append(signum)
+        if _held:  # inside held(): raised on the way out of it
+            _held[-1].append(signum)
+            return
         raise Interrupted(signum)
 
     try:
@@ -59,3 +63,19 @@ def interruptible() -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: set outside Python
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """A signal that comes inside (under `interruptible`) is raised on the way out, not in the middle:
+    for a few steps that must happen together, such as taking the output's lock and handing it to the
+    `with` that removes it. Python runs signal handlers in the main thread, whichever thread the OS
+    gave the signal to, so this holds where masking the signal in one thread would not."""
+    came: list[int] = []
+    _held.append(came)
+    try:
+        yield
+    finally:
+        _held.remove(came)
+    if came:
+        raise Interrupted(came[0])

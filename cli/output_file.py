@@ -16,20 +16,32 @@ from pathlib import Path
 from typing import IO
 
 from toolkit.cli.errors import CliError
+from toolkit.cli.interrupts import held
 from toolkit.cli.records import record_id
 
 
 class OutputLock:
     """An exclusive lock on OUTPUT.lock while a run writes OUTPUT, so two runs never write one output
     (each would append every line). The lock file goes when the run ends; a killed run's lock dies
-    with it (the file stays, unlocked, and the next run takes it)."""
+    with it (the file stays, unlocked, and the next run takes it).
+
+    Used as `with OutputLock(path) as lock: lock.take(); ...`: the lock is taken inside the block,
+    with SIGINT and SIGTERM held back until it is (cli/interrupts.py's `held`), so a signal is raised
+    where `__exit__` removes the lock file, never between the file's creation and the block."""
 
     def __init__(self, path: Path | None):
-        self.handle = lock_output(path) if path is not None else None
+        self.output = path
         self.path = Path(f"{path}.lock") if path is not None else None
+        self.handle = None
 
     def __enter__(self):
         return self
+
+    def take(self) -> None:
+        if self.output is None:
+            return
+        with held():  # a signal meanwhile is raised once self.handle is set, inside the caller's `with`
+            self.handle = lock_output(self.output)
 
     def __exit__(self, *exc):
         if self.handle is not None:

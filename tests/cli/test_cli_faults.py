@@ -15,6 +15,7 @@ import pytest
 
 from tests.checkpoints import write_checkpoint, write_tokenizer
 from tests.cli.test_cli import ENGINE_FLAGS, REPO, RESUME_FLAGS, by_line, generate, prompts_file, toolkit
+from toolkit.cli import output_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -122,6 +123,26 @@ def test_sigint_between_taking_the_lock_and_counting_the_input_says_how_far_the_
     result = toolkit("generate", "-m", ckpt, *ENGINE_FLAGS, "-i", prompts, "-o", out)
     assert result.exit_code == 130, result.output
     assert result.stderr.strip() == (f"error: interrupted: 2 of 12 lines have records in {out}; rerun the same "
+                                     "command to resume")
+    assert not Path(f"{out}.lock").exists()
+
+
+def test_sigint_while_the_lock_is_being_taken_lands_once_it_is_held_and_the_lock_goes(ckpt, tmp_path, monkeypatch):
+    # In-process: the signal is real, sent after the lock file exists and before the lock is held by the
+    # run (the window the subprocess test above can land in on a loaded machine).
+    prompts, out = prompts_file(tmp_path, 12), tmp_path / "out.jsonl"
+    take = output_file.lock_output
+
+    def lock_output(path):
+        handle = take(path)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)  # where an undeferred signal would land: the lock file made, not yet the run's
+        return handle
+
+    monkeypatch.setattr(output_file, "lock_output", lock_output)
+    result = toolkit("generate", "-m", ckpt, *ENGINE_FLAGS, "-i", prompts, "-o", out)
+    assert result.exit_code == 130, result.output
+    assert result.stderr.strip() == (f"error: interrupted: 0 of 12 lines have records in {out}; rerun the same "
                                      "command to resume")
     assert not Path(f"{out}.lock").exists()
 

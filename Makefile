@@ -25,8 +25,8 @@ run: setup
 	$(BIN)/toolkit generate "$(PROMPT)"
 
 # Two pytest workers, each given whole files (a module's fixtures are built once): most of the suite is
-# one process compiling or several ranks waiting on each other, so two files at a time roughly halve
-# the wall time on a 2-core machine. TEST_WORKERS=0 runs it in one process (e.g. to use a debugger).
+# one process compiling or several ranks waiting on each other, which leaves a core for a second file
+# (docs/benchmarks.md has the times). TEST_WORKERS=0 runs it in one process (e.g. to use a debugger).
 TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests

@@ -185,7 +185,10 @@ def composed(case) -> list[dict]:
     chunked prefill: speculative decoding on the decode instance (n-gram; a draft model, which computes
     its own prefix there); the CPU tier, the disk tier and swap preemption beside the handoff, under a
     6-block device cache on the decode instance (5 for swap): the sampled call repeats the greedy
-    call's prompts, so the decode side finds their prefixes in its tier. The n-gram layout's prefill
+    call's prompts, so the decode side finds their prefixes in its tier. Under swap the four prompts
+    of up to 13 tokens are computed on the decode side (max_local_prefill_tokens), queued there from
+    the start: together they grow to 7 blocks, so the decode side preempts whatever the handoff's
+    timing (handed-over requests arriving one by one could each finish before the next came). The n-gram layout's prefill
     instance (tp=2) holds one request at a time (prefill_backlog=1): the rest wait at its door. A MoE
     model (mixtral) with expert parallelism: the TP-2 decode instance splits the experts over its two
     ranks (all-to-all), the TP-1 prefill instance holds them all; and the decode instance as two
@@ -206,7 +209,8 @@ def composed(case) -> list[dict]:
             {**small, "kv_offloading_size": TIER_GIB},
             {**small, **UNCHUNKED, "scheduling_policy": "priority", "priorities": "reversed"},
             {**small, **UNCHUNKED, "kv_disk_cache_dir": str(case.root / "disk"), "kv_disk_cache_size": 0.01},
-            {**small, "kv_cache_memory_bytes": 5 * BLOCK, "kv_offloading_size": TIER_GIB, "preemption_mode": "swap"}]
+            {**small, "kv_cache_memory_bytes": 5 * BLOCK, "kv_offloading_size": TIER_GIB, "preemption_mode": "swap",
+             "max_local_prefill_tokens": 13}]
 
 
 def oracle(path, prompts: list[list[int]], **extra) -> tuple[list[list[int]], LLM]:

@@ -101,7 +101,7 @@ class CPUBackend(Backend):
         both = f"; both layouts kept: {weight_bytes / 2**20:.0f} MiB more memory" if plan.panels and plan.onednn else ""
         log.info("CPU linears: %s (%s)%s", plan.describe(), plan.source, both)
         changes.append(f"{self.packed_linears} linears packed: {plan.describe()}{both}")
-        experts = pack_experts(model, plan)
+        experts = pack_experts(model, plan) if self.has_kernel("experts") else 0
         if experts:
             changes.append(f"the experts of {experts} MoE layers packed for the linear kernel, as the linears")
         return changes

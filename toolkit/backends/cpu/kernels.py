@@ -5,6 +5,10 @@
 - `toolkit::linear_int8_cpu(x, panels, scales, bias, out_features, small_m)`: the panel kernel over int8 panels
   with a float32 scale per output column (weight-only int8, toolkit/quantization.py).
 - `toolkit::pack_panels(weight, panels)`: a weight into the panel layout, once at load.
+- `toolkit::experts_cpu(x, topk_weights, topk_ids, first_expert, w13_panels, w2_panels, w13_onednn,
+  w2_onednn, small_m)` (csrc/experts.cpp): an MoE layer's routed experts in one call, the CPU
+  implementation of `toolkit::moe_experts` (toolkit/backends/cpu/experts.py); called only from inside
+  that op, so it needs no fake kernel.
 - `toolkit::paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)` and
   `toolkit::write_kv_cpu(k, v, kv_cache, slot_mapping)` (csrc/attention.cpp): attention for every
   step kind and the KV write; `attention/` dispatches to them once the CPU backend registers them.
@@ -25,7 +29,8 @@ import torch
 
 from toolkit.backends.cpu import build
 
-SOURCES = {"linear": build.CSRC / "linear.cpp", "attention": build.CSRC / "attention.cpp"}
+SOURCES = {"linear": build.CSRC / "linear.cpp", "attention": build.CSRC / "attention.cpp",
+           "experts": build.CSRC / "experts.cpp"}
 _loaded: dict[str, Path] = {}
 _failed: dict[str, str] = {}
 _building: Future | None = None
@@ -62,8 +67,14 @@ def load() -> dict[str, str]:
     return dict(_failed)
 
 
+def library(name: str) -> Path | None:
+    """The library kernel `name` was loaded from in this process (its file name keys its sources, flags,
+    compiler and CPU), or None."""
+    return _loaded.get(name)
+
+
 def available(name: str) -> bool:
-    """Whether kernel `name` ("linear" or "attention") was built and loaded in this process."""
+    """Whether kernel `name` ("linear", "attention" or "experts") was built and loaded in this process."""
     return name in _loaded
 
 

@@ -34,14 +34,15 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from toolkit.backends.cpu import build
+from toolkit.backends.cpu import build, kernels
 
 log = logging.getLogger("toolkit")
 
 PANEL = 16  # output columns per panel
 NEVER = 1 << 62  # small_m that sends every row count to the panel kernel
 ONEDNN_BATCH_HINT = 64  # the row count oneDNN lays its packed weight out for
-CANDIDATE_M = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+# Up to a prefill chunk's size: on AMX the panel kernel's tiles keep up with oneDNN past 64 rows.
+CANDIDATE_M = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512)
 MARGIN = 0.95  # oneDNN must be 5% faster to take a row count: ties go to the one-copy layout
 # Int8 panels up to this many rows: the panel kernel widens each weight in registers and computes at the
 # float32 FMA rate; widening the whole weight for oneDNN each call pays back between 32 and 64 rows, in
@@ -120,7 +121,11 @@ def choose(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> LinearPlan:
 
 
 def _choice_key(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> str:
-    parts = [build.cpu_flags(), torch.__version__, str(torch.get_num_threads()), str(dtype), json.dumps(sorted(shapes))]
+    # The kernel's own build and the measurement's candidates are part of the key: either changed, the
+    # choice is measured again.
+    library = kernels.library("linear")
+    parts = [build.cpu_flags(), torch.__version__, str(torch.get_num_threads()), str(dtype), json.dumps(sorted(shapes)),
+             library.name if library else "", str(CANDIDATE_M), str(MARGIN)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
@@ -133,8 +138,9 @@ def _read_choices(path) -> dict:
 
 
 def _measure_small_m(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> int:
-    """The largest candidate M up to which the panel kernel is not beaten by oneDNN (by MARGIN);
-    0 when oneDNN wins already at one row, NEVER when it wins at none."""
+    """The largest candidate M up to which the panel kernel is not beaten by oneDNN (by MARGIN) at two
+    candidates in a row (a shared host's noise can hand one reading to either side); 0 when oneDNN wins
+    from one row on, NEVER when it never does so."""
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=generator) * 0.02).to(dtype) for n, k in shapes]
     panels = [pack(w) for w in weights]
@@ -149,35 +155,41 @@ def _measure_small_m(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> int:
                 for x, p, o, (n, _) in zip(xs, panels, onednn, shapes):
                     op(x, p, o, None, n, NEVER if use_panels else 0)
 
-            panel_s, onednn_s = _best_of(run, True), _best_of(run, False)
+            panel_s, onednn_s = _best_of_each(run)
             wins.append(onednn_s < MARGIN * panel_s)
             log.debug("linear at M=%d: panel %.3f ms, oneDNN %.3f ms", m, panel_s * 1e3, onednn_s * 1e3)
-    if not any(wins):
-        return NEVER
-    first = wins.index(True)
-    # Beyond the first oneDNN win the matmuls only grow more compute-bound: oneDNN keeps the rest.
-    return 0 if first == 0 else CANDIDATE_M[first - 1]
+            if wins[-2:] == [True, True]:
+                break
+    # Beyond where oneDNN starts winning the matmuls only grow more compute-bound: oneDNN keeps the rest.
+    for i in range(len(wins)):
+        if wins[i] and (i + 1 == len(wins) or wins[i + 1]):
+            return 0 if i == 0 else CANDIDATE_M[i - 1]
+    return NEVER
 
 
-def _best_of(run, arg, reps: int = 5) -> float:
-    """The fastest of `reps` timed calls, after one untimed (the first touches the weights)."""
-    run(arg)
-    best = math.inf
+def _best_of_each(run, reps: int = 5) -> tuple[float, float]:
+    """The fastest of `reps` timed calls of run(True) and of run(False), taken in turn so that the host's
+    drift reaches both alike, after one untimed each (the first touches the weights)."""
+    run(True), run(False)
+    best = [math.inf, math.inf]
     for _ in range(reps):
-        start = time.perf_counter()
-        run(arg)
-        best = min(best, time.perf_counter() - start)
-    return best
+        for i, arg in enumerate((True, False)):
+            start = time.perf_counter()
+            run(arg)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 # --- the module ----------------------------------------------------------------------------------
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] (float32, bfloat16 or float16, CPU) -> panels [ceil(N / 16), K, 16] of the same dtype."""
-    n, k = weight.shape
-    panels = _empty_on_huge_pages((-(-n // PANEL), k, PANEL), weight.dtype)
-    torch.ops.toolkit.pack_panels(weight.contiguous(), panels)
+    """W [N, K] (float32, bfloat16 or float16, CPU) -> panels [ceil(N / 16), K, 16] of the same dtype; a
+    stack of them [..., N, K] -> [..., ceil(N / 16), K, 16] (an MoE layer's experts)."""
+    *stack, n, k = weight.shape
+    panels = _empty_on_huge_pages((*stack, -(-n // PANEL), k, PANEL), weight.dtype)
+    for w, p in zip(weight.reshape(-1, n, k), panels.view(-1, -(-n // PANEL), k, PANEL)):
+        torch.ops.toolkit.pack_panels(w.contiguous(), p)
     return panels
 
 
@@ -269,9 +281,15 @@ def pack_int8_linears(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def layer_shapes(model: nn.Module) -> list[tuple[int, int]]:
-    """(N, K) of the first decoder layer's linears: the shapes the choice is measured on."""
+    """(N, K) of the first decoder layer's linears, and of its experts' matmuls (they run the same
+    kernels, experts.py): the shapes the choice is measured on."""
+    from toolkit.models.moe import Experts
+
     layer = next(iter(model.model.layers.values()))
-    return sorted({(m.out_features, m.in_features) for m in layer.modules() if isinstance(m, nn.Linear)})
+    shapes = {(m.out_features, m.in_features) for m in layer.modules() if isinstance(m, nn.Linear)}
+    for experts in (m for m in layer.modules() if isinstance(m, Experts)):
+        shapes |= {tuple(experts.w13.shape[1:]), tuple(experts.w2.shape[1:])}
+    return sorted(shapes)
 
 
 HUGE_PAGE = 2 << 20

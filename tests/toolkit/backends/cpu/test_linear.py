@@ -86,15 +86,19 @@ def test_panels_of_2_mib_and_more_start_on_a_huge_page_and_compute_alike():
 HALVES = [torch.bfloat16, torch.float16]
 
 
+# On AMX CPUs bf16 runs through the tiles in blocks of 32 k, 32 rows and two panels: K = 300 leaves
+# an even tail of k, K = 97 an odd one (its last k unpaired); N = 70 an odd panel count; m = 17 and 40
+# a part-filled second half of rows; the x of m = 7 is read with a row stride past K.
 @pytest.mark.parametrize("dtype", HALVES)
-def test_half_weights_and_activations(dtype):
-    lin = _linear(70, 300, True, seed=1, dtype=dtype)
+@pytest.mark.parametrize("n,k", [(70, 300), (33, 97)])
+def test_half_weights_and_activations(dtype, n, k):
+    lin = _linear(n, k, True, seed=1, dtype=dtype)
     packed = CPULinear(lin, PANELS)
-    assert packed.panels.dtype == dtype and packed.panels.shape == (5, 300, 16)
+    assert packed.panels.dtype == dtype and packed.panels.shape == (-(-n // 16), k, 16)
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     g = torch.Generator().manual_seed(2)
-    for m in (1, 2, 7, 64):
-        x = torch.randn(m, 300, generator=g).to(dtype)
+    for m in (1, 2, 7, 17, 40, 64):
+        x = torch.randn(m, k + 3 * (m == 7), generator=g).to(dtype)[:, :k]
         out = packed(x)
         assert out.dtype == dtype
         # float32 accumulation of exact products, one rounding at the end: what torch computes in
@@ -252,17 +256,21 @@ def test_the_measured_choice_is_cached_per_machine_and_shapes(tmp_path, monkeypa
 
 def test_measuring_picks_the_faster_implementation_per_row_count(monkeypatch):
     """_measure_small_m on timings it is handed: the panel kernel up to the last row count before
-    oneDNN's first clear win; none when oneDNN never wins; 0 when it wins from one row."""
+    oneDNN's first clear win (confirmed at the next row count); none when oneDNN never wins; 0 when it
+    wins from one row."""
     def with_times(panel, onednn):
-        def fake_best_of(run, use_panels, reps=5):
-            m = linear.CANDIDATE_M[calls[0] // 2]
+        def fake_best_of_each(run, reps=5):
+            m = linear.CANDIDATE_M[calls[0]]
             calls[0] += 1
-            return panel(m) if use_panels else onednn(m)
+            return panel(m), onednn(m)
         calls = [0]
-        monkeypatch.setattr(linear, "_best_of", fake_best_of)
+        monkeypatch.setattr(linear, "_best_of_each", fake_best_of_each)
         return linear._measure_small_m(torch.float32, [(32, 16)])
 
     assert with_times(lambda m: 1.0 + m, lambda m: 2.0 + 0.2 * m) == 1  # oneDNN wins from m = 2 (by > 5%)
     assert with_times(lambda m: 1.0, lambda m: 2.0) == NEVER
     assert with_times(lambda m: 2.0, lambda m: 1.0) == 0
     assert with_times(lambda m: 1.0, lambda m: 0.97) == NEVER  # within the margin: one layout is kept
+    # One reading handed to oneDNN by noise (at m = 2) is not a crossover; the one it keeps is (m = 16 on).
+    assert with_times(lambda m: 1.0, lambda m: 0.5 if m == 2 or m >= 16 else 2.0) == 12
+    assert with_times(lambda m: 1.0, lambda m: 0.5 if m == linear.CANDIDATE_M[-1] else 2.0) == linear.CANDIDATE_M[-2]

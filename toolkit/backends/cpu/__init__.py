@@ -125,7 +125,8 @@ class CPUBackend(Backend):
         return {**super().stats(), "kernels_unavailable": dict(self.unavailable), "packed_linears": self.packed_linears,
                 "linear": None if plan is None else {"layouts": [n for n, on in (("panels", plan.panels),
                                                                                   ("onednn", plan.onednn)) if on],
-                                                     "small_m": plan.small_m, "source": plan.source}}
+                                                     "small_m": plan.small_m, "float32_small_m": plan.float32_small_m,
+                                                     "source": plan.source}}
 
 
 def register_attention() -> None:

@@ -52,19 +52,24 @@ INT8_SMALL_M = 48
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """What every linear of a model uses: small_m as in the op; panels and/or a oneDNN weight."""
+    """What every linear of a model uses: small_m as in the op; panels and/or a oneDNN weight.
+    `float32_small_m` is small_m for float32 x over half weights (the float32 logits), where it was
+    measured apart: on AMX the panel kernel runs half x through the tiles, which float32 x cannot use."""
 
     panels: bool
     onednn: bool
     small_m: int
     source: str  # "measured", "cached", "rule: ..." or "config"
+    float32_small_m: int | None = None  # None: small_m
 
     def describe(self) -> str:
         if not self.onednn:
             return "the panel kernel for every row count"
         if not self.panels:
             return "oneDNN for every row count"
-        return f"the panel kernel for up to {self.small_m} rows, oneDNN above"
+        logits = "" if self.float32_small_m in (None, self.small_m) else \
+            f" (float32 x: up to {self.float32_small_m})"
+        return f"the panel kernel for up to {self.small_m} rows{logits}, oneDNN above"
 
 
 def onednn_native(dtype: torch.dtype) -> bool:
@@ -106,7 +111,11 @@ def choose(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> LinearPlan:
         return LinearPlan(**{**cached, "source": "cached"})
     start = time.perf_counter()
     small_m = _measure_small_m(dtype, shapes)
-    plan = LinearPlan(panels=small_m > 0, onednn=small_m < NEVER, small_m=small_m, source="measured")
+    # Float32 x over half panels takes the FMA path, not AMX's tiles: its crossover is its own.
+    float32_small_m = _measure_small_m(dtype, shapes, torch.float32) if dtype != torch.float32 and 0 < small_m < NEVER \
+        else None
+    plan = LinearPlan(panels=small_m > 0, onednn=small_m < NEVER, small_m=small_m, source="measured",
+                      float32_small_m=None if float32_small_m == small_m else float32_small_m)
     log.info("measured the CPU linear kernels on the model's shapes in %.1f s", time.perf_counter() - start)
     choices = _read_choices(path)
     choices[key] = {k: v for k, v in asdict(plan).items() if k != "source"}
@@ -121,11 +130,11 @@ def choose(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> LinearPlan:
 
 
 def _choice_key(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> str:
-    # The kernel's own build and the measurement's candidates are part of the key: either changed, the
-    # choice is measured again.
+    # The kernel's own build, the measurement's candidates and the plan's fields are part of the key: any
+    # of them changed, the choice is measured again.
     library = kernels.library("linear")
     parts = [build.cpu_flags(), torch.__version__, str(torch.get_num_threads()), str(dtype), json.dumps(sorted(shapes)),
-             library.name if library else "", str(CANDIDATE_M), str(MARGIN)]
+             library.name if library else "", str(CANDIDATE_M), str(MARGIN), " ".join(LinearPlan.__dataclass_fields__)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
@@ -137,9 +146,9 @@ def _read_choices(path) -> dict:
         return {}
 
 
-def _measure_small_m(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> int:
+def _measure_small_m(dtype: torch.dtype, shapes: list[tuple[int, int]], x_dtype: torch.dtype | None = None) -> int:
     """The largest candidate M up to which the panel kernel is not beaten by oneDNN (by MARGIN) at two
-    candidates in a row (a shared host's noise can hand one reading to either side); 0 when oneDNN wins
+    candidates in a row, x in x_dtype (default: the weights') (a shared host's noise can hand one reading to either side); 0 when oneDNN wins
     from one row on, NEVER when it never does so."""
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=generator) * 0.02).to(dtype) for n, k in shapes]
@@ -149,7 +158,7 @@ def _measure_small_m(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> int:
     wins = []
     with torch.inference_mode():
         for m in CANDIDATE_M:
-            xs = [torch.randn(m, k, generator=generator).to(dtype) for _, k in shapes]
+            xs = [torch.randn(m, k, generator=generator).to(x_dtype or dtype) for _, k in shapes]
 
             def run(use_panels):
                 for x, p, o, (n, _) in zip(xs, panels, onednn, shapes):
@@ -205,7 +214,8 @@ class CPULinear(nn.Module):
         # has each row's largest entries recomputed from the panels, so the panels are always kept.
         self.float32_io = getattr(linear, "float32_logits", False) and weight.dtype != torch.float32
         if self.float32_io:
-            plan = LinearPlan(True, plan.onednn, plan.small_m if plan.panels else 0, plan.source)
+            small_m = plan.small_m if plan.float32_small_m is None else plan.float32_small_m
+            plan = LinearPlan(True, plan.onednn, small_m if plan.panels else 0, plan.source)
         self.small_m = plan.small_m
         self.register_buffer("panels", pack(weight) if plan.panels else None, persistent=False)
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT) if plan.onednn else None

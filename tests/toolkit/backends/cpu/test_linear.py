@@ -238,6 +238,25 @@ def test_plans_by_rule_and_by_config(monkeypatch):
         plan_for("onednn", torch.bfloat16, shapes)
 
 
+def test_float32_x_over_half_weights_gets_its_own_measured_crossover(tmp_path, monkeypatch):
+    """On AMX the panel kernel runs half x through the tiles and float32 x (the float32 logits) through
+    FMAs, so their crossovers to oneDNN differ: each is measured, and a Float32Logits layer takes its own."""
+    from toolkit.models.logits import Float32Logits
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(linear, "onednn_native", lambda dtype: True)
+    monkeypatch.setattr(linear, "_measure_small_m", lambda dtype, shapes, x_dtype=None: 8 if x_dtype == torch.float32 else 64)
+    plan = plan_for("auto", torch.bfloat16, [(64, 32)])
+    assert (plan.small_m, plan.float32_small_m) == (64, 8) and "float32 x: up to 8" in plan.describe()
+    assert plan_for("auto", torch.bfloat16, [(64, 32)]) == LinearPlan(True, True, 64, "cached", float32_small_m=8)
+    head = Float32Logits(32, 48, bias=False).to(torch.bfloat16)
+    assert CPULinear(head, plan).small_m == 8
+    assert CPULinear(torch.nn.Linear(32, 48).to(torch.bfloat16), plan).small_m == 64
+    # Where both crossovers agree, the plan says so once.
+    monkeypatch.setattr(linear, "_measure_small_m", lambda dtype, shapes, x_dtype=None: 16)
+    assert plan_for("auto", torch.bfloat16, [(96, 32)]).float32_small_m is None
+
+
 def test_the_measured_choice_is_cached_per_machine_and_shapes(tmp_path, monkeypatch):
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(linear, "onednn_native", lambda dtype: True)

@@ -357,20 +357,9 @@ void amx_panels(const uint16_t* x, int64_t x_stride, const uint16_t* panels, int
 }
 #endif
 
-// The rows left after whole tiles, with enough partial sums per row to fill the FMA pipes.
-template <typename W, typename B, typename O>
-void tail_rows(const float* x, int64_t x_stride, const W* panel, int64_t K, const B* bias, const float* scale,
-               O* out, int64_t out_stride, int64_t rows, int cols) {
-    switch (rows) {
-        case 1: tile<1, 8>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-        case 2: tile<2, 4>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-        case 3: tile<3, 3>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-        case 4: tile<4, 2>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-        case 5: tile<5, 2>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-        case 6: tile<6, 2>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-        case 7: tile<7, 1>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-    }
-}
+// Partial sums per row for a tile of R rows: enough FMA chains in flight to fill the pipes.
+template <int R>
+constexpr int sums_for() { return R == 1 ? 8 : R == 2 ? 4 : R == 3 ? 3 : R < 7 ? 2 : 1; }
 #else
 // R rows x 16 columns over all of K. Each accumulator is a chain of dependent FMAs; with few rows,
 // U interleaved partial sums over k keep >= 8 chains in flight (2 FMA pipes x 4 cycles of latency).
@@ -417,18 +406,31 @@ void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel
     }
 }
 
+// Partial sums per row for a tile of R rows: enough FMA chains in flight to fill the pipes.
+template <int R>
+constexpr int sums_for() { return R == 1 ? 4 : R < 4 ? 2 : 1; }
+#endif
+
+template <int R, typename W, typename B, typename O>
+void tail_tile(const float* x, int64_t x_stride, const W* panel, int64_t K, const B* bias, const float* scale,
+               O* out, int64_t out_stride, int cols) {
+    if constexpr (R < MR) tile<R, sums_for<R>()>(x, x_stride, panel, K, bias, scale, out, out_stride, cols);
+}
+
+// The rows left after whole tiles (fewer than MR).
 template <typename W, typename B, typename O>
 void tail_rows(const float* x, int64_t x_stride, const W* panel, int64_t K, const B* bias, const float* scale,
                O* out, int64_t out_stride, int64_t rows, int cols) {
     switch (rows) {
-        case 1: tile<1, 4>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-        case 2: tile<2, 2>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-        case 3: tile<3, 2>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-        case 4: tile<4, 1>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
-        case 5: tile<5, 1>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 1: tail_tile<1>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 2: tail_tile<2>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 3: tail_tile<3>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 4: tail_tile<4>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 5: tail_tile<5>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 6: tail_tile<6>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
+        case 7: tail_tile<7>(x, x_stride, panel, K, bias, scale, out, out_stride, cols); break;
     }
 }
-#endif
 
 template <typename W, typename B, typename O>
 void panel_rows(const float* x, int64_t x_stride, const W* panel, int64_t K, const B* bias, const float* scale,

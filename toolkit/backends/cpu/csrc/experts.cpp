@@ -18,7 +18,7 @@
 
 namespace {
 
-inline float silu_mul(float gate, float up) { return gate / (1.f + std::exp(-gate)) * up; }
+inline float silu(float gate) { return gate / (1.f + std::exp(-gate)); }
 
 struct Groups {
     std::vector<int64_t> offset;  // [E + 1]: expert e's pairs are pairs[offset[e], offset[e + 1])
@@ -108,7 +108,7 @@ void panel_experts_as(const X* x, const Groups& g, const std::vector<int64_t>& e
     panel_matmuls(experts, row0, rows, xs.get(), w13, h.get(), 2 * I, H);
 #pragma omp parallel for schedule(static) if (n * I >= (1 << 15))
     for (int64_t i = 0; i < n; ++i)
-        for (int64_t c = 0; c < I; ++c) put(&act[i * I + c], silu_mul(h[i * 2 * I + c], h[i * 2 * I + I + c]));
+        for (int64_t c = 0; c < I; ++c) put(&act[i * I + c], silu(h[i * 2 * I + c]) * h[i * 2 * I + I + c]);
     panel_matmuls(experts, row0, rows, act.get(), w2, y.get(), H, I);
     weighted_add(out32, y.get(), pair.data(), n, topk_weights, k, H);
 }
@@ -140,8 +140,7 @@ void onednn_expert(const Tensor& x, const X* xd, const Groups& g, int64_t e, con
     for (int64_t i = 0; i < n; ++i)
         for (int64_t c = 0; c < I; ++c) {
             X s;
-            const float gate = to_float(hd[i * 2 * I + c]);
-            put(&s, gate / (1.f + std::exp(-gate)));
+            put(&s, silu(to_float(hd[i * 2 * I + c])));
             put(a + i * I + c, to_float(s) * to_float(hd[i * 2 * I + I + c]));
         }
     Tensor y = onednn_linear(act, w2, std::nullopt);
@@ -169,6 +168,7 @@ Tensor run(const Tensor& x, const Groups& g, const std::optional<Tensor>& w13, c
                       topk_weights, k, H, I, out32.data());
     Tensor out = empty_as(x, {T, H});
     X* o = static_cast<X*>(out.data_ptr());
+#pragma omp parallel for schedule(static) if (T * H >= (1 << 16))
     for (int64_t i = 0; i < T * H; ++i) put(o + i, out32[i]);
     return out;
 }

@@ -148,8 +148,8 @@ def _read_choices(path) -> dict:
 
 def _measure_small_m(dtype: torch.dtype, shapes: list[tuple[int, int]], x_dtype: torch.dtype | None = None) -> int:
     """The largest candidate M up to which the panel kernel is not beaten by oneDNN (by MARGIN) at two
-    candidates in a row, x in x_dtype (default: the weights') (a shared host's noise can hand one reading to either side); 0 when oneDNN wins
-    from one row on, NEVER when it never does so."""
+    candidates in a row (a shared host's noise can hand one reading to either side), x in x_dtype
+    (default: the weights'); 0 when oneDNN wins from one row on, NEVER when it never does so."""
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=generator) * 0.02).to(dtype) for n, k in shapes]
     panels = [pack(w) for w in weights]

@@ -29,7 +29,7 @@ run: setup
 # (docs/benchmarks.md has the times). TEST_WORKERS=0 runs it in one process (e.g. to use a debugger).
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # The property-based tests under hypothesis's random profile (tests/hypothesis_profiles.py): new
 # examples each run, ten times as many. CI runs them derandomized; run this by hand to hunt for bugs.

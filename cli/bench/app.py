@@ -27,6 +27,8 @@ from toolkit.cli.bench.model import SHAPES, resolve_model
 from toolkit.cli.bench.pipeline import PipelineSystem, bubble_model, report_lines
 from toolkit.cli.bench.disaggregated import disagg
 from toolkit.cli.bench.serving import serve
+from toolkit.cli.bench.suite import suite
+from toolkit.cli.bench.goals import table
 from toolkit.cli.bench.report import build_rows, render_table, report_json
 from toolkit.cli.bench.roofline import (
     bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, dtype_bytes, layer_linear_params, machine_info, matmul_peak, memory_bandwidth,
@@ -200,6 +202,8 @@ def latency(
 
 bench_app.command("disagg", cls=GroupedHelpCommand)(disagg)
 bench_app.command("serve", cls=GroupedHelpCommand)(serve)
+bench_app.command("suite", cls=GroupedHelpCommand)(suite)
+bench_app.command("table", cls=GroupedHelpCommand)(table)
 
 
 # --- the run ---------------------------------------------------------------------------------------

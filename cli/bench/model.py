@@ -60,10 +60,11 @@ def _folder(shape: str) -> str:
 
 def shape_config_only(shape: str) -> Path:
     """A folder holding only config.json: enough for our engine's load_format='dummy'."""
+    config = shape_config(shape)  # an unknown name fails here, before any folder is made
     path = cache_root() / f"{_folder(shape)}-config"
     if not (path / "config.json").is_file():
         path.mkdir(parents=True, exist_ok=True)
-        shape_config(shape).save_pretrained(path)
+        config.save_pretrained(path)
     return path
 
 
@@ -71,13 +72,13 @@ def shape_checkpoint(shape: str) -> Path:
     """A real bf16 safetensors checkpoint of the shape, seeded; written once, then reused."""
     import transformers
 
+    config = shape_config(shape)
     path = cache_root() / f"{_folder(shape)}-seed{SEED}"
     done = path / ".complete"
     if done.is_file():
         return path
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    config = shape_config(shape)
     model = getattr(transformers, config.architectures[0])(config).to(torch.bfloat16).eval()
     model.save_pretrained(path, safe_serialization=True)
     done.write_text(json.dumps({"shape": shape, "seed": SEED}))

@@ -118,12 +118,14 @@ def test_table_rewrites_its_host_kinds_readme_block_and_keeps_the_others(suite_r
     assert result.exit_code != 0 and "not JSON" in result.output
 
 
-def test_a_failing_row_is_recorded_and_the_suite_fails_after_the_others(tmp_path):
+def test_a_failing_row_is_recorded_and_the_suite_fails_after_the_others(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_BENCH_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     result = invoke("suite", "--moe", tmp_path / "no-such-model", "--row", "moe", "--row", "ngram", "--out", out)
     assert result.exit_code == 1 and "rows that failed: moe" in result.output
     doc = json.loads((out / "suite.json").read_text())
     assert "unknown model shape" in doc["rows"]["moe"]["error"]
+    assert not (tmp_path / "cache").exists()  # an unknown shape leaves nothing behind
     assert doc["rows"]["ngram"] == {"what": "n-gram speculation at batch 1, the real model", "argv": None, "ok": False,
                                     "not_run": "no --model given"}
     shown = {g.goal: g.shown() for g in goals(doc)}

@@ -5,7 +5,9 @@
 - `systems.py`: our engine, transformers and vLLM (`vllm_worker.py`, in vLLM's own environment);
 - `metrics.py`: TTFT, TPOT, ITL, throughput; `roofline.py`: matmul peak, bandwidth, FLOPs and bytes;
 - `report.py`: the table and the JSON;
-- `serving.py`: `toolkit bench serve`, online serving against our server and `vllm serve` over HTTP.
+- `serving.py`: `toolkit bench serve`, online serving against our server and `vllm serve` over HTTP;
+- `suite.py`: `toolkit bench suite`, every goal row as its own bench, into one JSON; `goals.py`: the
+  goals table read from it (`toolkit bench table`), and the README's block per host kind.
 """
 
 from toolkit.cli.bench.app import bench_app

@@ -12,7 +12,8 @@ so any checkpoint of the same architecture, shapes and step options shares one f
 
 Calls skip Dynamo's guards (whose rebuild at load fails on the closure's model), so the key and the
 signature stand in for what they check: the model's structure and constants, what the post-load
-changes did (`applied`), the compile options, torch, Python, the CPU, the threads and the toolkit's
+changes did (`applied`), every parameter's and buffer's dtype, sizes and strides (a RoPE table's length
+is max_model_len's), the compile options, torch, Python, the CPU, the threads and the toolkit's
 own sources (key); each input's dtype, rank, contiguity and every size the graph specialized on, i.e.
 every size not marked unbacked (signature). That holds only where every size that changes between
 steps is marked unbacked, so `applies` limits the cache to those steps: CPU, Inductor, no tensor
@@ -190,7 +191,9 @@ def _model_key(model: torch.nn.Module, applied: list[str], options: dict) -> dic
         "model": repr(model),  # module types (merged, packed, quantized linears), shapes, norms
         "constants": [sorted((n, v) for n, v in vars(m).items() if isinstance(v, (int, float, bool, str)))
                       for m in model.modules()],
-        "params": sorted({str(p.dtype) for p in model.parameters()}),
+        # Every tensor's layout: the graph specializes on them (a RoPE table's length is max_model_len's)
+        # and the saved graph asserts them, so a step saved for other sizes must not be found.
+        "tensors": _tensor_layouts(model),
         "applied": applied,  # what the post-load changes did: the linear plan, int8, merges
         "options": {k: repr(v) for k, v in options.items() if not callable(v)},  # not the guard filter
         "torch": torch.__version__,
@@ -199,6 +202,17 @@ def _model_key(model: torch.nn.Module, applied: list[str], options: dict) -> dic
         "cpu": cpu_flags(),  # Inductor's C++ is built for this CPU, as the kernels are
         "sources": _sources_digest(),
     }
+
+
+def _tensor_layouts(model: torch.nn.Module) -> list:
+    """(name, dtype, sizes, strides) of every parameter, buffer and tensor attribute of every module."""
+    out = []
+    for prefix, module in model.named_modules():
+        tensors = {**module._parameters, **module._buffers,
+                   **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
+        out += [(f"{prefix}.{name}", str(t.dtype), tuple(t.shape), t.stride() if t.layout == torch.strided else None)
+                for name, t in sorted(tensors.items()) if t is not None]
+    return out
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """The compiled step kept on disk (toolkit/compiled_cache.py): a fresh process loads it instead of
 tracing and gives transformers' tokens; another checkpoint of the same shapes shares the file with its
-own weights; a damaged file is compiled again and replaced; where compiling ahead of time or saving
+own weights; another max_model_len is another file; a damaged file is compiled again and replaced; where compiling ahead of time or saving
 fails, the step still serves, with a warning; and where Dynamo's guards cannot be stood in for, the
 cache is not used."""
 
@@ -40,7 +40,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 def generate(path: Path, prompts, **config):
     # The suite runs with TOOLKIT_COMPILE_CACHE=0 (tests/conftest.py): these engines ask for it.
-    llm = LLM(str(path), dtype="float32", max_model_len=96, **{"compile_cache": True, **config})
+    llm = LLM(str(path), dtype="float32", **{"max_model_len": 96, "compile_cache": True, **config})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm.engine.runner.step.forward
@@ -63,6 +63,17 @@ def test_a_fresh_process_loads_the_step_and_another_checkpoint_shares_it(models,
     assert [m["sources"] for m in result["models"]] == [{saved[0].name: "loaded"}] * 2
     assert result["dynamo_graphs"] == 0, "a loaded step must not be traced again"
     assert sorted(cache.iterdir()) == saved
+
+
+def test_another_max_model_len_is_another_step(models, cache):
+    """The RoPE table's length is max_model_len's and the saved graph asserts it: a step saved at 96
+    found by an engine at 160 failed its first call ("expected size 160==96")."""
+    (first, _), prompts, want = models
+    _, step = generate(first, prompts)
+    tokens, longer = generate(first, prompts, max_model_len=160)
+    assert tokens == want[0]
+    assert list(longer.sources.values()) == ["compiled"] and set(longer.sources).isdisjoint(step.sources)
+    assert len(list(cache.iterdir())) == 2
 
 
 def test_a_damaged_file_is_compiled_again_and_replaced(models, cache, caplog):

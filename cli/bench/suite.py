@@ -174,6 +174,18 @@ def _row_args(texts: list[str] | None) -> dict[str, list[str]]:
     return out
 
 
+def _earlier_rows(path: Path, kind: str) -> dict:
+    """The rows of an earlier suite JSON on this host kind: `--row` runs again only the rows it names."""
+    try:
+        earlier = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise typer.BadParameter(f"{path} is not JSON ({e.msg}); give another --json or remove it") from None
+    if earlier.get("host", {}).get("host_kind") != kind:
+        raise typer.BadParameter(f"{path} holds rows of another host kind "
+                                 f"({earlier.get('host', {}).get('host_kind')}); give another --json")
+    return earlier.get("rows", {})
+
+
 def suite(
     model: Annotated[Optional[Path], typer.Option(
         "--model", "-m", file_okay=False, exists=True,
@@ -187,8 +199,8 @@ def suite(
     json_path: Annotated[Optional[Path], typer.Option(
         "--json", dir_okay=False, help="The suite's JSON (default: OUT/suite.json); `toolkit bench table` reads it.")] = None,
     only: Annotated[Optional[list[str]], typer.Option(
-        "--row", help="Run only these rows (a name or its first word: throughput, prefix, moe, ngram, startup). "
-                      "Repeatable.")] = None,
+        "--row", help="Run only these rows (a name or its first word: throughput, prefix, moe, ngram, startup); "
+                      "an existing --json keeps its other rows (same host kind). Repeatable.")] = None,
     dense: Annotated[str, typer.Option("--dense", help="Dense model of the throughput and W2 rows: a --model-shape "
                                                        "name or a checkpoint folder.")] = "125m",
     moe: Annotated[str, typer.Option("--moe", help="MoE model: a --model-shape name or a checkpoint folder.")] = "moe-0.5b",
@@ -221,10 +233,13 @@ def suite(
     out.mkdir(parents=True, exist_ok=True)
     json_path = json_path or out / "suite.json"
     err = Console(stderr=True)
-    doc = {"suite": 1, "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": _git_commit(),
-           "host": machine_info(), "dtypes": o.dtypes, "rows": {}}
+    now, commit = datetime.datetime.now().isoformat(timespec="seconds"), _git_commit()
+    doc = {"suite": 1, "date": now, "commit": commit, "host": machine_info(), "dtypes": o.dtypes, "rows": {}}
+    if only and json_path.is_file():
+        doc["rows"] = _earlier_rows(json_path, kind)
+        doc["dtypes"] = list(dict.fromkeys(json.loads(json_path.read_text()).get("dtypes", []) + o.dtypes))
     for row in chosen:
-        doc["rows"][row.name] = run_row(row, out, err)
+        doc["rows"][row.name] = run_row(row, out, err) | {"date": now, "commit": commit}
         json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n")  # a row at a time: a stopped suite keeps them
     print_goals(doc, json_path)
     if readme is not None:

@@ -137,3 +137,17 @@ def test_a_failing_row_is_recorded_and_the_suite_fails_after_the_others(tmp_path
     assert again["rows"]["moe"] == doc["rows"]["moe"] and list(again["rows"]) == ["moe", "ngram"]
     result = invoke("suite", "--row", "nope", "--out", out)
     assert result.exit_code != 0 and "no row is named nope" in result.output
+
+
+def test_speculation_with_other_tokens_fails_its_goal_at_any_speed():
+    def doc(same):
+        spec = {"kind": "ours", "tokens_identical_to_plain": same, "decode": {"decode_tokens_per_s": 40.0},
+                "spec_decode": {"decode": {"acceptance_rate_pct": 90.0}}}
+        systems = {"toolkit (compiled)": {"kind": "ours", "decode": {"decode_tokens_per_s": 10.0}},
+                   "toolkit (compiled, ngram k=4)": spec}
+        return {"rows": {"ngram": {"what": "n-gram", "ok": True, "report": {"systems": systems}}}}
+
+    for same, met in ((True, True), (False, False)):
+        goal = next(g for g in goals(doc(same)) if g.workload == "n-gram")
+        assert goal.value == 4.0 and goal.met is met
+        assert ("DIFFERENT" in goal.shown()) is not same

@@ -192,11 +192,18 @@ def _best_of_each(run, reps: int = 5) -> tuple[float, float]:
 # --- the module ----------------------------------------------------------------------------------
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def panels_shape(weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    *stack, n, k = weight_shape
+    return (*stack, -(-n // PANEL), k, PANEL)
+
+
+def pack(weight: torch.Tensor, arena: HugePageArena | None = None) -> torch.Tensor:
     """W [N, K] (float32, bfloat16 or float16, CPU) -> panels [ceil(N / 16), K, 16] of the same dtype; a
-    stack of them [..., N, K] -> [..., ceil(N / 16), K, 16] (an MoE layer's experts)."""
+    stack of them [..., N, K] -> [..., ceil(N / 16), K, 16] (an MoE layer's experts). In `arena` where
+    given (pack_linears: one model's linears side by side on huge pages)."""
     *stack, n, k = weight.shape
-    panels = _empty_on_huge_pages((*stack, -(-n // PANEL), k, PANEL), weight.dtype)
+    shape = panels_shape(weight.shape)
+    panels = arena.take(shape, weight.dtype) if arena is not None else _empty_on_huge_pages(shape, weight.dtype)
     for w, p in zip(weight.reshape(-1, n, k), panels.view(-1, -(-n // PANEL), k, PANEL)):
         torch.ops.toolkit.pack_panels(w.contiguous(), p)
     return panels
@@ -205,7 +212,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 class CPULinear(nn.Module):
     """y = x W^T + b through `toolkit::linear_cpu`, W held as panels and/or a oneDNN weight."""
 
-    def __init__(self, linear: nn.Linear, plan: LinearPlan):
+    def __init__(self, linear: nn.Linear, plan: LinearPlan, arena: HugePageArena | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
@@ -217,7 +224,7 @@ class CPULinear(nn.Module):
             small_m = plan.small_m if plan.float32_small_m is None else plan.float32_small_m
             plan = LinearPlan(True, plan.onednn, small_m if plan.panels else 0, plan.source)
         self.small_m = plan.small_m
-        self.register_buffer("panels", pack(weight) if plan.panels else None, persistent=False)
+        self.register_buffer("panels", pack(weight, arena) if plan.panels else None, persistent=False)
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT) if plan.onednn else None
         self.register_buffer("onednn_weight", onednn, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
@@ -245,8 +252,9 @@ def pack_linears(model: nn.Module, plan: LinearPlan) -> int:
     """
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, nn.Linear)]
+    arena = HugePageArena([(panels_shape(c.weight.shape), c.weight.dtype) for _, _, c in swaps]) if plan.panels else None
     for parent, name, child in swaps:
-        setattr(parent, name, CPULinear(child, plan))
+        setattr(parent, name, CPULinear(child, plan, arena))
     return len(swaps)
 
 
@@ -254,12 +262,13 @@ class CPUInt8Linear(nn.Module):
     """An Int8Linear (toolkit/quantization.py) through `toolkit::linear_int8_cpu`: int8 panels, float32
     scales and bias."""
 
-    def __init__(self, linear: nn.Module, small_m: int):
+    def __init__(self, linear: nn.Module, small_m: int, arena: HugePageArena | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.float32_logits = linear.float32_logits
         self.small_m = small_m
-        panels = _empty_on_huge_pages((-(-self.out_features // PANEL), self.in_features, PANEL), torch.int8)
+        shape = panels_shape(linear.qweight.shape)
+        panels = arena.take(shape, torch.int8) if arena is not None else _empty_on_huge_pages(shape, torch.int8)
         torch.ops.toolkit.pack_panels(linear.qweight.contiguous(), panels)
         self.register_buffer("panels", panels, persistent=False)
         self.register_buffer("scales", linear.scales.contiguous(), persistent=False)
@@ -285,8 +294,9 @@ def pack_int8_linears(model: nn.Module, dtype: torch.dtype) -> int:
     small_m = INT8_SMALL_M if onednn_native(dtype) else NEVER
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, Int8Linear)]
+    arena = HugePageArena([(panels_shape(c.qweight.shape), torch.int8) for _, _, c in swaps])
     for parent, name, child in swaps:
-        setattr(parent, name, CPUInt8Linear(child, small_m))
+        setattr(parent, name, CPUInt8Linear(child, small_m, arena))
     return len(swaps)
 
 
@@ -320,6 +330,34 @@ def _empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     start = -raw.data_ptr() % HUGE_PAGE
     madvise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)  # a refusal only costs speed
     return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+class HugePageArena:
+    """Room for the given tensors side by side, in one allocation advised for transparent huge pages.
+
+    A decoder layer's weights are mostly under 2 MiB each (SmolLM2's q/k/v, o, down), too small for
+    huge pages of their own, so a decode step took a TLB miss every 4 KiB of them; laid out together
+    they fill whole huge pages (docs/benchmarks.md has the decode rates). Views are handed out in the
+    order asked for, each on a cache line; a request past the room (none, when the sizes given are the
+    ones taken) gets a tensor of its own."""
+
+    ALIGN = 64
+
+    def __init__(self, tensors: list[tuple[tuple[int, ...], torch.dtype]]):
+        self.size = sum(self._room(shape, dtype) for shape, dtype in tensors)
+        self.offset = 0
+        self.buffer = _empty_on_huge_pages((self.size,), torch.uint8) if self.size else None
+
+    def _room(self, shape, dtype) -> int:
+        return -(-math.prod(shape) * dtype.itemsize // self.ALIGN) * self.ALIGN
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        room = self._room(shape, dtype)
+        if self.buffer is None or self.offset + room > self.size:
+            return _empty_on_huge_pages(shape, dtype)
+        view = self.buffer[self.offset:self.offset + math.prod(shape) * dtype.itemsize]
+        self.offset += room
+        return view.view(dtype).view(shape)
 
 
 @functools.cache

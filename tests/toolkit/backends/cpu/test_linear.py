@@ -227,6 +227,26 @@ def test_pack_linears_swaps_every_linear_and_copies_a_tied_head():
     torch.testing.assert_close(model["head"](x), want, atol=1e-5, rtol=1e-5)
 
 
+def test_pack_linears_lays_a_models_panels_side_by_side_on_huge_pages():
+    """Weights under 2 MiB each (most of a small model's) share whole huge pages: one allocation on a
+    2 MiB boundary holds every panel, each on its own cache line, none overlapping, and each linear
+    still computes its own product."""
+    torch.manual_seed(3)
+    # 0.24, 0.09, 0.53 and 2.56 MiB of float32 panels
+    model = torch.nn.Sequential(*[torch.nn.Linear(k, n) for n, k in ((300, 200), (70, 300), (2000, 70), (330, 2000))])
+    x = torch.randn(5, 200)
+    want = model(x)
+    assert pack_linears(model, PANELS) == 4
+    spans = sorted((m.panels.data_ptr(), m.panels.data_ptr() + m.panels.nbytes) for m in model)
+    base = spans[0][0]
+    assert base % linear.HUGE_PAGE == 0
+    assert len({m.panels.untyped_storage().data_ptr() for m in model}) == 1
+    assert all(start % 64 == 0 for start, _ in spans)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] - base <= sum(m.panels.nbytes + 64 for m in model)
+    torch.testing.assert_close(model(x), want, atol=1e-4, rtol=1e-4)
+
+
 def test_plans_by_rule_and_by_config(monkeypatch):
     shapes = [(64, 32)]
     assert plan_for("torch", torch.float32, shapes) is None  # plain nn.Linear

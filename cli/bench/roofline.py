@@ -41,24 +41,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 # NOTES.md's three host kinds, by what their CPUs do bf16 with (the fast path differs on each).
 HOST_KINDS = {"amx": "Xeon with AMX", "avx512_bf16": "AVX-512 BF16 (Zen 4)", "avx2": "AVX2 only", "other": "other"}
 
 
 def host_kind(flags: set[str] | None = None) -> str:
     """One of HOST_KINDS' keys: AMX tiles, else AVX-512 BF16 dot products, else AVX2."""
-    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        from toolkit.backends.cpu.build import cpu_flags
+
+        flags = set(cpu_flags().partition(":")[2].split())
     for kind, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx2", "avx2")):
         if flag in flags:
             return kind

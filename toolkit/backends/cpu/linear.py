@@ -198,7 +198,7 @@ def panels_shape(weight_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def pack(weight: torch.Tensor, arena: HugePageArena | None = None) -> torch.Tensor:
-    """W [N, K] (float32, bfloat16 or float16, CPU) -> panels [ceil(N / 16), K, 16] of the same dtype; a
+    """W [N, K] (float32, bfloat16, float16 or int8, CPU) -> panels [ceil(N / 16), K, 16] of the same dtype; a
     stack of them [..., N, K] -> [..., ceil(N / 16), K, 16] (an MoE layer's experts). In `arena` where
     given (pack_linears: one model's linears side by side on huge pages)."""
     *stack, n, k = weight.shape
@@ -267,10 +267,7 @@ class CPUInt8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.float32_logits = linear.float32_logits
         self.small_m = small_m
-        shape = panels_shape(linear.qweight.shape)
-        panels = arena.take(shape, torch.int8) if arena is not None else _empty_on_huge_pages(shape, torch.int8)
-        torch.ops.toolkit.pack_panels(linear.qweight.contiguous(), panels)
-        self.register_buffer("panels", panels, persistent=False)
+        self.register_buffer("panels", pack(linear.qweight, arena), persistent=False)
         self.register_buffer("scales", linear.scales.contiguous(), persistent=False)
         self.register_buffer("bias", linear.bias, persistent=False)
         if hasattr(linear, "splits"):

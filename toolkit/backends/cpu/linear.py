@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from toolkit.backends.cpu import build, kernels
+from toolkit.backends.cpu import choices, kernels
+from toolkit.backends.cpu.choices import best_of_each, first_lasting_win
 
 log = logging.getLogger("toolkit")
 
@@ -103,47 +103,23 @@ def plan_for(choice: str, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> 
 
 def choose(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> LinearPlan:
     """Measure the panel kernel against oneDNN on `shapes` ([(N, K)] of one decoder layer), or read the
-    cached result of that measurement."""
-    key = _choice_key(dtype, shapes)
-    path = build.cache_dir() / "linear-choices.json"
-    cached = _read_choices(path).get(key)
-    if cached is not None:
-        return LinearPlan(**{**cached, "source": "cached"})
-    start = time.perf_counter()
-    small_m = _measure_small_m(dtype, shapes)
-    # Float32 x over half panels takes the FMA path, not AMX's tiles: its crossover is its own.
-    float32_small_m = _measure_small_m(dtype, shapes, torch.float32) if dtype != torch.float32 and 0 < small_m < NEVER \
-        else None
-    plan = LinearPlan(panels=small_m > 0, onednn=small_m < NEVER, small_m=small_m, source="measured",
-                      float32_small_m=None if float32_small_m == small_m else float32_small_m)
-    log.info("measured the CPU linear kernels on the model's shapes in %.1f s", time.perf_counter() - start)
-    choices = _read_choices(path)
-    choices[key] = {k: v for k, v in asdict(plan).items() if k != "source"}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
-        tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError as e:  # the choice still serves this process; the next start measures again
-        log.warning("could not save the linear kernel choice to %s: %s", path, e)
-    return plan
-
-
-def _choice_key(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> str:
-    # The kernel's own build, the measurement's candidates and the plan's fields are part of the key: any
-    # of them changed, the choice is measured again.
+    cached result of that measurement (choices.py)."""
     library = kernels.library("linear")
-    parts = [build.cpu_flags(), torch.__version__, str(torch.get_num_threads()), str(dtype), json.dumps(sorted(shapes)),
-             library.name if library else "", str(CANDIDATE_M), str(MARGIN), " ".join(LinearPlan.__dataclass_fields__)]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+    choice_key = choices.key(dtype, json.dumps(sorted(shapes)), library.name if library else "", CANDIDATE_M, MARGIN,
+                             " ".join(LinearPlan.__dataclass_fields__))
 
+    def measure() -> dict:
+        start = time.perf_counter()
+        small_m = _measure_small_m(dtype, shapes)
+        # Float32 x over half panels takes the FMA path, not AMX's tiles: its crossover is its own.
+        float32_small_m = _measure_small_m(dtype, shapes, torch.float32) \
+            if dtype != torch.float32 and 0 < small_m < NEVER else None
+        log.info("measured the CPU linear kernels on the model's shapes in %.1f s", time.perf_counter() - start)
+        return {"panels": small_m > 0, "onednn": small_m < NEVER, "small_m": small_m,
+                "float32_small_m": None if float32_small_m == small_m else float32_small_m}
 
-def _read_choices(path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):  # none yet, or a damaged file: measure again
-        return {}
+    choice, read_back = choices.cached("linear-choices", choice_key, measure)
+    return LinearPlan(**choice, source="cached" if read_back else "measured")
 
 
 def _measure_small_m(dtype: torch.dtype, shapes: list[tuple[int, int]], x_dtype: torch.dtype | None = None) -> int:
@@ -164,29 +140,14 @@ def _measure_small_m(dtype: torch.dtype, shapes: list[tuple[int, int]], x_dtype:
                 for x, p, o, (n, _) in zip(xs, panels, onednn, shapes):
                     op(x, p, o, None, n, NEVER if use_panels else 0)
 
-            panel_s, onednn_s = _best_of_each(run)
+            panel_s, onednn_s = best_of_each(run)
             wins.append(onednn_s < MARGIN * panel_s)
             log.debug("linear at M=%d: panel %.3f ms, oneDNN %.3f ms", m, panel_s * 1e3, onednn_s * 1e3)
             if wins[-2:] == [True, True]:
                 break
     # Beyond where oneDNN starts winning the matmuls only grow more compute-bound: oneDNN keeps the rest.
-    for i in range(len(wins)):
-        if wins[i] and (i + 1 == len(wins) or wins[i + 1]):
-            return 0 if i == 0 else CANDIDATE_M[i - 1]
-    return NEVER
-
-
-def _best_of_each(run, reps: int = 5) -> tuple[float, float]:
-    """The fastest of `reps` timed calls of run(True) and of run(False), taken in turn so that the host's
-    drift reaches both alike, after one untimed each (the first touches the weights)."""
-    run(True), run(False)
-    best = [math.inf, math.inf]
-    for _ in range(reps):
-        for i, arg in enumerate((True, False)):
-            start = time.perf_counter()
-            run(arg)
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
+    i = first_lasting_win(wins)
+    return NEVER if i is None else 0 if i == 0 else CANDIDATE_M[i - 1]
 
 
 # --- the module ----------------------------------------------------------------------------------

@@ -303,7 +303,7 @@ def test_measuring_picks_the_faster_implementation_per_row_count(monkeypatch):
             calls[0] += 1
             return panel(m), onednn(m)
         calls = [0]
-        monkeypatch.setattr(linear, "_best_of_each", fake_best_of_each)
+        monkeypatch.setattr(linear, "best_of_each", fake_best_of_each)
         return linear._measure_small_m(torch.float32, [(32, 16)])
 
     assert with_times(lambda m: 1.0 + m, lambda m: 2.0 + 0.2 * m) == 1  # oneDNN wins from m = 2 (by > 5%)

@@ -169,6 +169,7 @@ def generate(
     eager: o.EagerOpt = False,
     attention_backend: o.BackendOpt = None,
     cpu_linear: o.CpuLinearOpt = None,
+    cpu_prefill_attention: o.CpuPrefillAttentionOpt = None,
     device: o.DeviceOpt = None,
     speculative_config: o.SpeculativeOpt = None,
     enable_prefix_caching: o.PrefixCachingOpt = True,
@@ -207,6 +208,7 @@ def generate(
         attention_backend=attention_backend, device=device, tensor_parallel_size=tp, data_parallel_size=dp,
         cpu_linear=cpu_linear, enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp,
         pp_layer_partition=pp_layer_partition, quantization=quantization,
+        cpu_prefill_attention=cpu_prefill_attention,
     )
     engine.update(o.disagg_kwargs(prefill_instances=prefill_instances, decode_instances=decode_instances,
                                   prefill_tp=prefill_tp, prefill_pp=prefill_pp, prefill_backlog=prefill_backlog,

@@ -48,6 +48,12 @@ class CpuLinear(str, enum.Enum):
     torch = "torch"
 
 
+class CpuPrefillAttention(str, enum.Enum):
+    auto = "auto"
+    flash = "flash"
+    tiles = "tiles"
+
+
 class Quantization(str, enum.Enum):
     int8 = "int8"
 
@@ -95,6 +101,11 @@ CpuLinearOpt = Annotated[Optional[CpuLinear], typer.Option(
     help="CPU linears: auto measures the panel kernel against oneDNN on the model's shapes at start (cached) "
          "and splits by row count; panel or onednn forces one; torch keeps nn.Linear. Default: $TOOLKIT_CPU_LINEAR "
          "or auto.")]
+CpuPrefillAttentionOpt = Annotated[Optional[CpuPrefillAttention], typer.Option(
+    rich_help_panel=ENGINE, show_default=False,
+    help="CPU attention for prefill chunks: auto measures from which chunk length ATen's flash attention (GEMMs "
+         "on the CPU's matrix units) beats the kernel's own tiles, on the model's head shape at start (cached); "
+         "flash sends every chunk of 2+ tokens there, tiles none. Default: $TOOLKIT_CPU_PREFILL_ATTENTION or auto.")]
 QuantizationOpt = Annotated[Optional[Quantization], typer.Option(
     rich_help_panel=MODEL, show_default=False,
     help="Quantize the weights at load: int8 keeps each linear's weight as int8 with one scale per output "
@@ -204,7 +215,8 @@ def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_bat
                   tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                   cpu_linear: CpuLinear | None = None, enable_expert_parallel: bool = False,
                   pipeline_parallel_size: int = 1, pp_layer_partition: str | None = None,
-                  quantization: Quantization | None = None) -> dict:
+                  quantization: Quantization | None = None,
+                  cpu_prefill_attention: CpuPrefillAttention | None = None) -> dict:
     """EngineConfig's fields from the engine options (`LLM(model, **engine_kwargs(...))` takes the same).
     Options left unset are left out, so EngineConfig's own defaults (and the environment's) apply."""
     kwargs = dict(
@@ -216,6 +228,8 @@ def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_bat
     )
     if cpu_linear is not None:
         kwargs["cpu_linear"] = cpu_linear.value
+    if cpu_prefill_attention is not None:
+        kwargs["cpu_prefill_attention"] = cpu_prefill_attention.value
     if enable_expert_parallel:
         kwargs["enable_expert_parallel"] = True
     if pipeline_parallel_size > 1:

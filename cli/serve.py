@@ -59,6 +59,7 @@ def serve(
     eager: o.EagerOpt = False,
     attention_backend: o.BackendOpt = None,
     cpu_linear: o.CpuLinearOpt = None,
+    cpu_prefill_attention: o.CpuPrefillAttentionOpt = None,
     device: o.DeviceOpt = None,
     speculative_config: o.SpeculativeOpt = None,
     enable_prefix_caching: o.PrefixCachingOpt = True,
@@ -93,7 +94,8 @@ def serve(
         max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, eager=eager,
         attention_backend=attention_backend, device=device, tensor_parallel_size=tp, cpu_linear=cpu_linear,
         enable_expert_parallel=enable_expert_parallel, pipeline_parallel_size=pp, pp_layer_partition=pp_layer_partition,
-        data_parallel_size=dp, quantization=quantization)
+        data_parallel_size=dp, quantization=quantization,
+        cpu_prefill_attention=cpu_prefill_attention)
     engine_args.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                                    kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                                    preemption_mode=preemption_mode))

@@ -151,6 +151,11 @@ class EngineConfig:
     # Which linear serves which row counts: "auto" measures the panel kernel against oneDNN on the
     # model's shapes at start (cached); "panel", "onednn" force one; "torch" keeps plain nn.Linear.
     cpu_linear: str = field(default_factory=envs.cpu_linear)
+    # Which prefill chunks the CPU attention op hands to ATen's flash attention (GEMMs on the CPU's matrix
+    # units) instead of its own tiles: "auto" measures from which chunk length that pays, on the model's
+    # head shape at start (cached); "flash" sends every chunk of 2+ tokens, "tiles" none
+    # (toolkit/backends/cpu/attention_plan.py).
+    cpu_prefill_attention: str = field(default_factory=envs.cpu_prefill_attention)
     # Compiled CPU steps run Inductor's C++ wrapper: no Python between the kernels of a step.
     cpp_wrapper: bool = field(default_factory=envs.cpp_wrapper)
     # Compiled CPU steps are saved under $TOOLKIT_CACHE/compiled and loaded at the next start instead of
@@ -210,6 +215,9 @@ class EngineConfig:
         self._check_combinations()
         if self.cpu_linear not in envs.CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(envs.CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
+        if self.cpu_prefill_attention not in envs.CPU_PREFILL_ATTENTION_CHOICES:
+            raise ValueError(f"cpu_prefill_attention must be one of {', '.join(envs.CPU_PREFILL_ATTENTION_CHOICES)}, "
+                             f"got {self.cpu_prefill_attention!r}")
 
     def _check_vllm_fields(self) -> None:
         util = self.gpu_memory_utilization

@@ -9,6 +9,7 @@ Read lazily, on each call, so a test or a notebook can change one before buildin
 | `TOOLKIT_CACHE` | `~/.cache/toolkit` | the root of everything built: kernels, Inductor's caches, kernel choices, the default model, GGUF files' indexes and tokenizers, compiled steps |
 | `TOOLKIT_CPU_KERNELS` | `1` | `EngineConfig.cpu_kernels`: build and use the C++ CPU kernels (0: torch's own ops) |
 | `TOOLKIT_CPU_LINEAR` | `auto` | `EngineConfig.cpu_linear`: which linear implementation serves which row counts |
+| `TOOLKIT_CPU_PREFILL_ATTENTION` | `auto` | `EngineConfig.cpu_prefill_attention`: which prefill chunks go to ATen's flash attention |
 | `TOOLKIT_CPP_WRAPPER` | `1` | `EngineConfig.cpp_wrapper`: compiled CPU steps run Inductor's C++ wrapper |
 | `TOOLKIT_COMPILE_CACHE` | `1` | `EngineConfig.compile_cache`: compiled CPU steps are saved under `$TOOLKIT_CACHE/compiled` and loaded at the next start |
 | `CXX` | `c++` | the C++ compiler for the CPU kernels |
@@ -24,6 +25,7 @@ import os
 from pathlib import Path
 
 CPU_LINEAR_CHOICES = ("auto", "panel", "onednn", "torch")
+CPU_PREFILL_ATTENTION_CHOICES = ("auto", "flash", "tiles")
 
 
 def cache_root() -> Path:
@@ -50,6 +52,14 @@ def cpu_linear() -> str:
     value = os.environ.get("TOOLKIT_CPU_LINEAR") or "auto"
     if value not in CPU_LINEAR_CHOICES:
         raise ValueError(f"TOOLKIT_CPU_LINEAR must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {value!r}")
+    return value
+
+
+def cpu_prefill_attention() -> str:
+    value = os.environ.get("TOOLKIT_CPU_PREFILL_ATTENTION") or "auto"
+    if value not in CPU_PREFILL_ATTENTION_CHOICES:
+        raise ValueError(f"TOOLKIT_CPU_PREFILL_ATTENTION must be one of {', '.join(CPU_PREFILL_ATTENTION_CHOICES)}, "
+                         f"got {value!r}")
     return value
 
 

@@ -30,7 +30,8 @@ from toolkit.scheduling import ScheduledRequest
 
 # Each way the engine can run a step on CPU: compiled or eager; the C++ kernels (attention, and the
 # linear with its "auto" choice, or one forced) or torch's own ops ("torch": nn.Linear and the
-# reference attention). Keys are what reports and tests name.
+# reference attention); "flash": every multi-token step's attention in ATen's flash kernel, whatever
+# this host's measured choice. Keys are what reports and tests name.
 PATHS = {
     "compiled": dict(),
     "compiled-panel": dict(cpu_linear="panel"),
@@ -42,6 +43,7 @@ PATHS = {
     "eager-onednn": dict(enforce_eager=True, cpu_linear="onednn"),
     "eager-nn-linear": dict(enforce_eager=True, cpu_linear="torch"),
     "eager-torch": dict(enforce_eager=True, cpu_kernels=False),
+    "eager-flash": dict(enforce_eager=True, cpu_prefill_attention="flash"),
 }
 FEEDS = ("prefill", "decode")
 

@@ -2,9 +2,10 @@
 largest at most 2x, and float32 logits.
 
 For every family, the teacher-forced logits (tests/toolkit/bf16_error.py) of each path the engine can
-run on CPU (compiled, eager, eager with torch's own ops), fed as one prefill and as one decode step per
-token, in bfloat16 and float16, against the engine's float32 logits on the same weights; transformers
-in the same dtype against its float32 is the yardstick. Each checkpoint also has a constructed near-tie:
+run on CPU (compiled, eager, eager with torch's own ops, eager with ATen's flash attention for every
+multi-token step), fed as one prefill and as one decode step per token, in bfloat16 and float16,
+against the engine's float32 logits on the same weights; transformers in the same dtype against its
+float32 is the yardstick. Each checkpoint also has a constructed near-tie:
 two tokens whose float32 logits differ by far less than a bf16 step at their magnitude, so greedy
 decoding must pick float32's token, which rounding the logits to bf16 would turn into a tie.
 """
@@ -21,7 +22,7 @@ from tests.toolkit.bf16_error import engine_logits, error, hf_logits, make_llm
 from toolkit import SamplingParams
 
 DTYPES = ("bfloat16", "float16")
-PATHS = ("compiled", "eager", "eager-torch")
+PATHS = ("compiled", "eager", "eager-torch", "eager-flash")
 FEEDS = ("prefill", "decode")
 BOUND = 1.5  # times transformers' mean |logit error| in the same dtype
 # Times transformers' largest |logit error|. The largest over every position and token is one rounding

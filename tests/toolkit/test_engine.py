@@ -39,6 +39,23 @@ def test_text_prompts_match_transformers_and_decode(llm, ckpt):
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
 
 
+def test_prefill_chunks_through_aten_flash_attention_match_transformers(ckpt):
+    """cpu_prefill_attention="flash" sends every request step of 2+ tokens to ATen's flash attention on
+    its gathered K/V: first chunks, later chunks of a prompt split by the token budget, and suffixes over
+    a prefix-cache hit, each beside decodes in one batch."""
+    shared = random_prompts(1, seed=8, low=40, high=40)[0]
+    prompts = [shared + p for p in random_prompts(4, seed=9, low=3, high=30)]
+    llm = LLM(str(ckpt), dtype="float32", enforce_eager=True, max_model_len=96, seed=0, max_num_batched_tokens=24,
+              cpu_prefill_attention="flash")
+    assert llm.engine.stats()["backend"]["prefill_attention"].startswith(
+        "prefill attention: ATen's flash attention for chunks of 2+ tokens")
+    params = SamplingParams(temperature=0, max_tokens=8)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + rest] == hf_greedy(ckpt, prompts, 8)
+    assert all(o.num_cached_tokens >= 32 for o in rest)  # the shared prefix's whole blocks were hits
+
+
 def test_outputs_in_input_order_with_mixed_lengths(llm):
     prompts = random_prompts(6, seed=5, low=2, high=30)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -289,6 +306,7 @@ def test_engine_config_names_a_bad_field_or_environment_default(monkeypatch):
                                 ("max_num_seqs", True, "max_num_seqs must be an integer >= 1"),
                                 ("attention_backend", "flash", "attention_backend must be one of torch, triton, cpu"),
                                 ("cpu_linear", "fast", "cpu_linear must be one of auto, panel, onednn, torch"),
+                                ("cpu_prefill_attention", "sdpa", "cpu_prefill_attention must be one of auto, flash, tiles"),
                                 ("kv_cache_memory_fraction", 1.5, "kv_cache_memory_fraction must be in")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(model="m", **{field: value})

@@ -5,7 +5,9 @@ compiled step with no Python between its kernels.
   once, cached) and registered in torch's dispatcher through its stable C ABI. Where one cannot be
   built, a warning names its source and torch's own ops serve instead.
 - Attention: the kernel serves every step kind (prefill chunks, decodes, mixed) and is registered
-  with `attention` as the "cpu" backend, the default wherever it is built and the shapes fit.
+  with `attention` as the "cpu" backend, the default wherever it is built and the shapes fit. Long
+  prefill chunks go to ATen's flash attention from the chunk length measured at start to pay
+  (`attention_plan.py`).
 - Linears (`linear.py`): each nn.Linear becomes a `CPULinear` whose weights are laid out for the
   implementations its row counts use: the panel kernel for small M, oneDNN's native bf16 above, as
   measured at start on the model's own shapes. Tensor-parallel ranks keep their DTensor weights.
@@ -21,7 +23,7 @@ import torch
 
 from toolkit import attention
 from toolkit.backends import Backend
-from toolkit.backends.cpu import kernels
+from toolkit.backends.cpu import attention_plan, kernels
 from toolkit.backends.cpu.experts import pack_experts
 from toolkit.backends.cpu.linear import (LinearPlan, layer_shapes, onednn_native, pack_int8_linears, pack_linears,
                                          plan_for)
@@ -40,6 +42,7 @@ class CPUBackend(Backend):
             name: "cpu_kernels=False" for name in kernels.SOURCES}
         self._attention: str | None = None
         self.linear_plan: LinearPlan | None = None
+        self.prefill_attention: str | None = None  # what attention_plan chose, for stats
         self.packed_linears = 0
         if config.attention_backend == "cpu" and not self._attention_fits():  # before any weight is read
             raise ValueError(f"the CPU attention kernel needs head_dim ({model_config.head_dim}) and block_size "
@@ -81,11 +84,13 @@ class CPUBackend(Backend):
         return "cpu" if self._attention_fits() and self.has_kernel("attention") else "torch"
 
     def prepare_model(self, model, tp) -> list[str]:
-        if tp is not None:
-            return []  # DTensor weights: the TP plan's matmuls and collectives stay torch's
-        if not self.has_kernel("linear") or self.config.cpu_linear == "torch":
-            return []
         changes = []
+        if self.attention_backend() == "cpu":
+            changes.append(self._plan_prefill_attention(tp))
+        if tp is not None:
+            return changes  # DTensor weights: the TP plan's matmuls and collectives stay torch's
+        if not self.has_kernel("linear") or self.config.cpu_linear == "torch":
+            return changes
         int8 = pack_int8_linears(model, self.config.dtype)
         if int8:
             changes.append(f"{int8} int8 linears packed for the panel kernel")
@@ -106,6 +111,16 @@ class CPUBackend(Backend):
             changes.append(f"the experts of {experts} MoE layers packed for the linear kernel, as the linears")
         return changes
 
+    def _plan_prefill_attention(self, tp) -> str:
+        mc = self.model_config
+        heads = mc.num_heads // tp.size if tp is not None else mc.num_heads
+        kv_heads = tp.num_kv_heads_local if tp is not None else mc.num_kv_heads
+        chosen = attention_plan.choose(self.config.cpu_prefill_attention, self.config.dtype, heads, kv_heads,
+                                       mc.head_dim, self.config.block_size)
+        log.info("CPU %s", chosen)
+        self.prefill_attention = chosen
+        return chosen
+
     def compile_options(self) -> dict:
         options = super().compile_options()
         # Not under tensor parallelism: Inductor's C++ wrapper cannot call DTensor's collectives yet
@@ -123,6 +138,7 @@ class CPUBackend(Backend):
     def stats(self) -> dict:
         plan = self.linear_plan
         return {**super().stats(), "kernels_unavailable": dict(self.unavailable), "packed_linears": self.packed_linears,
+                "prefill_attention": self.prefill_attention,
                 "linear": None if plan is None else {"layouts": [n for n, on in (("panels", plan.panels),
                                                                                   ("onednn", plan.onednn)) if on],
                                                      "small_m": plan.small_m, "float32_small_m": plan.float32_small_m,
@@ -136,4 +152,5 @@ def register_attention() -> None:
 
 def _paged_attention(q, kv_cache, meta, scale):
     return torch.ops.toolkit.paged_attention_cpu.default(q, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                                         meta.block_tables, scale)
+                                                         meta.block_tables, scale,
+                                                         attention_plan.flash_min_for(q, kv_cache))

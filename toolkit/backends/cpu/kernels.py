@@ -9,9 +9,11 @@
   w2_onednn, small_m)` (csrc/experts.cpp): an MoE layer's routed experts in one call, the CPU
   implementation of `toolkit::moe_experts` (toolkit/backends/cpu/experts.py); called only from inside
   that op, so it needs no fake kernel.
-- `toolkit::paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)` and
+- `toolkit::paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, flash_min=0)` and
   `toolkit::write_kv_cpu(k, v, kv_cache, slot_mapping)` (csrc/attention.cpp): attention for every
   step kind and the KV write; `attention/` dispatches to them once the CPU backend registers them.
+  Requests with at least `flash_min` (> 0) new tokens go to ATen's CPU flash attention on their
+  gathered K/V instead (csrc/flash_prefill.h; attention_plan.py measures where that pays).
 
 The ops are C++ end to end (no Python kernel), so an eager call costs a dispatcher call, and a graph
 compiled with Inductor's C++ wrapper calls them without entering Python. Their fake kernels, for
@@ -96,7 +98,7 @@ def _linear_int8_fake(x, panels, scales, bias, out_features, small_m):
     return x.new_empty(x.shape[0], out_features)
 
 
-def _attention_fake(q, kv_cache, query_start_loc, seq_lens, block_tables, scale):
+def _attention_fake(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, flash_min=0):
     return q.new_empty(q.shape).contiguous()
 
 

@@ -22,11 +22,11 @@ def built():
     assert kernels.load() == {}
 
 
-def attend(batch, q=None, seq_lens=None, tables=None):
+def attend(batch, q=None, seq_lens=None, tables=None, flash_min=0):
     m = batch.metadata
     return torch.ops.toolkit.paged_attention_cpu(batch.q if q is None else q, batch.kv_cache, m.query_start_loc,
                                                  m.seq_lens if seq_lens is None else seq_lens,
-                                                 m.block_tables if tables is None else tables, batch.scale)
+                                                 m.block_tables if tables is None else tables, batch.scale, flash_min)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -79,6 +79,25 @@ def test_prefill_chunks_in_tiles_match_dense(dtype, tol, num_heads, num_kv_heads
     assert not out[batch.num_tokens:].any()
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_CONFIGS + [(9, 3)])
+@pytest.mark.parametrize("flash_min", [2, 24])
+def test_chunks_through_aten_flash_attention_match_dense(dtype, tol, num_heads, num_kv_heads, flash_min):
+    """Requests of flash_min+ new tokens go to ATen's flash attention on their gathered K/V: first chunks
+    (one causal call) and chunks over a cached prefix (two calls merged by log-sum-exp), beside requests
+    the tiles and per-token tasks keep, decodes, a request with no new token and padding rows."""
+    specs = [(100, 50), (0, 37), (33, 24), (5, 12), (0, 1), (70, 2), (16, 48), (9, 0), (0, 2)]
+    batch = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                       dtype=dtype, num_pad=2, seed=flash_min)
+    out = attend(batch, flash_min=flash_min)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=tol, rtol=tol)
+    assert not out[batch.num_tokens:].any()
+    # As the model hands it q: a slice of a fused projection.
+    fused = torch.cat([batch.q, torch.randn_like(batch.q)], dim=1)[:, :num_heads]
+    torch.testing.assert_close(attend(batch, q=fused, flash_min=flash_min), out, atol=0, rtol=0)
+
+
 def test_strided_q_as_the_model_slices_it():
     batch = make_batch([(7, 3), (30, 1)], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
     fused = torch.cat([batch.q, torch.randn_like(batch.q)], dim=1)
@@ -94,6 +113,8 @@ def test_bad_block_ids_and_lengths_raise_instead_of_reading_out_of_bounds():
     tables[1, 0] = num_blocks
     with pytest.raises(RuntimeError, match="block id outside"):
         attend(batch, tables=tables)
+    with pytest.raises(RuntimeError, match="block id outside"):  # checked before the flash path gathers
+        attend(batch, tables=tables, flash_min=1)
     with pytest.raises(RuntimeError, match="past their block table"):
         attend(batch, seq_lens=torch.tensor([10, width * 16 + 1], dtype=torch.int32))
     odd = make_batch([(9, 1)], block_size=12, num_heads=4, num_kv_heads=2, head_dim=64)

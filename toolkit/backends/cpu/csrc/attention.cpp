@@ -19,6 +19,10 @@
 // q_len_i of its seq_len_i positions. Rows past qsl[B] (padding) are zeros. Built with -ffast-math,
 // which lets the exp loops vectorize (glibc's libmvec), so no infinities are used: the running max
 // starts at -FLT_MAX.
+//
+// With flash_min > 0, a request with at least flash_min new tokens goes instead to ATen's CPU flash
+// attention on its gathered K/V (flash_prefill.h): GEMM-shaped, faster than the tiles on some CPUs and
+// slower on others, so the engine measures where it starts to pay (toolkit/backends/cpu/attention_plan.py).
 
 #include <algorithm>
 #include <array>
@@ -35,6 +39,7 @@
 #include <immintrin.h>
 #endif
 
+#include "flash_prefill.h"
 #include "stable_args.h"
 
 namespace {
@@ -304,7 +309,12 @@ struct Step {  // one call's shapes and pointers
     void* out;
     int64_t tokens, requests, num_heads, num_kv_heads, head_dim, block_size, table_width, num_blocks;
     float scale;
+    int64_t flash_min;  // requests with at least this many new tokens go to flash_prefill.h (0: none)
 };
+
+inline bool is_flash(const Step& s, int64_t r) {
+    return s.flash_min > 0 && s.qsl[r + 1] - s.qsl[r] >= s.flash_min;
+}
 
 // Per token: its request (-1 for padding past the last request) and its causal length. Returns the
 // number of requests refused (bad lengths or block ids, or query counts past their length).
@@ -335,7 +345,7 @@ inline std::vector<std::array<int64_t, 3>> plan_tiles(const Step& s) {
     const int64_t size = tile_tokens(s.num_heads / s.num_kv_heads);
     std::vector<std::array<int64_t, 3>> tiles;
     for (int64_t r = 0; r < s.requests; ++r)
-        if (s.qsl[r + 1] - s.qsl[r] >= size)
+        if (s.qsl[r + 1] - s.qsl[r] >= size && !is_flash(s, r))
             for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; t += size)
                 tiles.push_back({r, t, std::min<int64_t>(size, s.qsl[r + 1] - t)});
     return tiles;
@@ -370,9 +380,30 @@ void attend_tile(const Step& s, const std::array<int64_t, 3>& tile, int64_t kv_h
                 put(out + ((t0 + t) * s.num_heads + kv_head * group + h) * d + i, o32[(t * group + h) * d + i]);
 }
 
+// The flash requests one after another (the flash kernel spreads each over the threads itself).
+template <typename T>
+void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
+    int64_t longest = 0;
+    for (int64_t r = 0; r < s.requests; ++r)
+        if (is_flash(s, r)) longest = std::max<int64_t>(longest, s.seq_lens[r]);
+    if (longest == 0) return;
+    std::unique_ptr<T[]> buffer(new T[2 * longest * s.num_kv_heads * s.head_dim]);
+    const T* k = static_cast<const T*>(s.k);
+    const T* v = static_cast<const T*>(s.v);
+    for (int64_t r = 0; r < s.requests; ++r) {
+        if (!is_flash(s, r)) continue;
+        const int64_t begin = s.qsl[r], n = s.qsl[r + 1] - begin;
+        flash_prefill(static_cast<const T*>(s.q), s.q_token_stride, s.q_head_stride, dtype, k, v,
+                      s.tables + r * s.table_width, begin, n, int64_t(s.seq_lens[r]), s.num_heads, s.num_kv_heads,
+                      s.head_dim, s.block_size, s.scale, buffer.get(), static_cast<T*>(s.out));
+        for (int64_t t = begin; t < begin + n; ++t) request[t] = -2;  // done: the tasks below leave it alone
+    }
+}
+
 // q, the cache and out are all of one element type T.
 template <typename T>
-void run(const Step& s, std::vector<int32_t>& request, const std::vector<int32_t>& length) {
+void run(const Step& s, ScalarType dtype, std::vector<int32_t>& request, const std::vector<int32_t>& length) {
+    run_flash<T>(s, dtype, request);
     const auto tiles = plan_tiles(s);
     for (const auto& tile : tiles)  // the per-token tasks below leave the tiled tokens alone
         for (int64_t t = tile[1]; t < tile[1] + tile[2]; ++t) request[t] = -2;
@@ -394,7 +425,7 @@ void run(const Step& s, std::vector<int32_t>& request, const std::vector<int32_t
         for (int64_t split = 0; split < splits; ++split) {
             const int64_t h0 = split * heads;
             T* o = out + (t * s.num_heads + h0) * s.head_dim;
-            if (request[t] == -2) continue;  // in a tile
+            if (request[t] == -2) continue;  // in a tile, or a flash request
             if (request[t] < 0) {
                 for (int64_t i = 0; i < width; ++i) put(o + i, 0.f);
                 continue;
@@ -416,7 +447,7 @@ void run(const Step& s, std::vector<int32_t>& request, const std::vector<int32_t
 }
 
 Tensor paged_attention_cpu(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables,
-                           double scale) {
+                           double scale, int64_t flash_min) {
     check_cpu(q, "q");
     check_cpu(kv_cache, "kv_cache");
     check_int32(query_start_loc, "query_start_loc", 1);
@@ -447,6 +478,7 @@ Tensor paged_attention_cpu(Tensor q, Tensor kv_cache, Tensor query_start_loc, Te
     s.seq_lens = static_cast<const int32_t*>(seq_lens.data_ptr());
     s.tables = static_cast<const int32_t*>(block_tables.data_ptr());
     s.scale = float(scale);
+    s.flash_min = flash_min;
 
     std::vector<int32_t> request(s.tokens), length(s.tokens);
     const int64_t bad = plan_tokens(s, request, length);
@@ -455,9 +487,9 @@ Tensor paged_attention_cpu(Tensor q, Tensor kv_cache, Tensor query_start_loc, Te
     Tensor out = empty_as(q, {s.tokens, s.num_heads, s.head_dim});
     s.out = out.data_ptr();
     switch (kind) {
-        case F32: run<float>(s, request, length); break;
-        case BF16: run<uint16_t>(s, request, length); break;
-        case F16: run<f16>(s, request, length); break;
+        case F32: run<float>(s, q.scalar_type(), request, length); break;
+        case BF16: run<uint16_t>(s, q.scalar_type(), request, length); break;
+        case F16: run<f16>(s, q.scalar_type(), request, length); break;
     }
     return out;
 }
@@ -514,7 +546,7 @@ void write_kv_cpu(Tensor k, Tensor v, Tensor kv_cache, Tensor slot_mapping) {
 
 STABLE_TORCH_LIBRARY_FRAGMENT(toolkit, m) {
     m.def("paged_attention_cpu(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-          "Tensor block_tables, float scale) -> Tensor");
+          "Tensor block_tables, float scale, int flash_min=0) -> Tensor");
     m.def("write_kv_cpu(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 

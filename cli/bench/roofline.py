@@ -9,7 +9,9 @@ Formulas (stated in the report and in docs/benchmarks.md):
         + O x 2 x V x H                         (the LM head, only for sampled positions)
   where P_layers = the decoder layers' weights (no embedding, no LM head, no norms' worth counting).
   Work a system does beyond that (padding, tokens generated past a request's own length) is not
-  counted, so every system is credited with the same useful FLOPs.
+  counted, so every system is credited with the same useful FLOPs. A prompt's leading tokens that an
+  earlier prompt of the workload began with too (up to all but its last token) are counted once, with
+  the earlier request: what a perfect prefix cache computes (the shared-prefix workload W2).
 - Engine FLOP/s = useful FLOPs / elapsed; its roofline fraction = that / measured matmul peak
   (for bf16, the higher of the bf16 and the float32 peaks: see compute_peak).
 - Batch-1 decode: each step reads every weight except the embedding table (one row of it) once,
@@ -185,17 +187,34 @@ def layer_linear_params(mc) -> int:
     return mc.num_layers * attn + (mc.num_layers - sparse) * mlp + sparse * mc.moe.layer_parameters(h, active=True)
 
 
-def request_flops(mc, prompt_len: int, output_len: int) -> float:
-    """Useful FLOPs of one request (see the module docstring)."""
+def request_flops(mc, prompt_len: int, output_len: int, shared: int = 0) -> float:
+    """Useful FLOPs of one request whose first `shared` positions an earlier request computed (see the
+    module docstring)."""
     t = prompt_len + output_len - 1
-    linear = 2.0 * layer_linear_params(mc) * t
-    attention = 4.0 * mc.num_layers * mc.num_heads * mc.head_dim * (t * (t + 1) / 2)
+    linear = 2.0 * layer_linear_params(mc) * (t - shared)
+    attention = 4.0 * mc.num_layers * mc.num_heads * mc.head_dim * (t * (t + 1) / 2 - shared * (shared + 1) / 2)
     lm_head = 2.0 * mc.vocab_size * mc.hidden_size * output_len
     return linear + attention + lm_head
 
 
+def shared_prefix_lens(prompts: list[list[int]]) -> list[int]:
+    """Per prompt, how many of its leading tokens an earlier prompt began with too (at most all but its
+    last, which is computed to sample from): a token trie of the prompts in order."""
+    root: dict = {}
+    shared = []
+    for prompt in prompts:
+        node, n = root, 0
+        while n < len(prompt) and prompt[n] in node:
+            node, n = node[prompt[n]], n + 1
+        shared.append(min(n, max(len(prompt) - 1, 0)))
+        for token in prompt[n:]:
+            node = node.setdefault(token, {})
+    return shared
+
+
 def workload_flops(mc, requests) -> float:
-    return sum(request_flops(mc, r.prompt_len, r.output_len) for r in requests)
+    shared = shared_prefix_lens([r.prompt_token_ids for r in requests])
+    return sum(request_flops(mc, r.prompt_len, r.output_len, s) for r, s in zip(requests, shared))
 
 
 def decode_bytes_per_token(mc, dtype_bytes: int, context: float, weight_bytes: float | None = None) -> float:

@@ -23,7 +23,7 @@ from toolkit.cli.bench.metrics import (
 from toolkit.cli.bench.model import shape_config_only
 from toolkit.cli.bench.pipeline import bubble_model
 from toolkit.cli.bench.report import HIGHER, LOWER, build_rows, render_table, report_json
-from toolkit.cli.bench.roofline import bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, layer_linear_params, request_flops
+from toolkit.cli.bench.roofline import bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, layer_linear_params, request_flops, shared_prefix_lens
 from toolkit.cli.bench.systems import BenchError, VLLMSystem, python_of
 from toolkit.cli.bench.workload import (
     BenchRequest,
@@ -269,6 +269,15 @@ def test_125m_shape_config_and_counts_match_the_model(tmp_path, monkeypatch):
     # samples 2, so the linears run 4 times, attention over 1+2+3+4 positions, the head twice.
     attention = 4 * mc.num_layers * mc.num_heads * mc.head_dim * (1 + 2 + 3 + 4)
     assert request_flops(mc, 3, 2) == pytest.approx(4 * 2 * linear + attention + 2 * 2 * embedding)
+    # Positions 0 and 1 computed by an earlier request (a prefix-cache hit): contexts 3 and 4 remain.
+    attention = 4 * mc.num_layers * mc.num_heads * mc.head_dim * (3 + 4)
+    assert request_flops(mc, 3, 2, shared=2) == pytest.approx(2 * 2 * linear + attention + 2 * 2 * embedding)
+
+
+def test_shared_prefixes_are_counted_once_in_the_useful_work():
+    prompts = [[1, 2, 3, 4], [1, 2, 3, 9, 9], [1, 2, 3, 4], [5, 1, 2], [1, 2], [1, 7], []]
+    # [1, 2, 3, 4] again: all but its last token were computed before; [1, 2] is a prefix of the first.
+    assert shared_prefix_lens(prompts) == [0, 3, 3, 0, 1, 1, 0]
 
 
 def test_moe_shape_counts_match_the_model(tmp_path, monkeypatch):

@@ -13,7 +13,8 @@
   `toolkit::write_kv_cpu(k, v, kv_cache, slot_mapping)` (csrc/attention.cpp): attention for every
   step kind and the KV write; `attention/` dispatches to them once the CPU backend registers them.
   Requests with at least `flash_min` (> 0) new tokens go to ATen's CPU flash attention on their
-  gathered K/V instead (csrc/flash_prefill.h; attention_plan.py measures where that pays).
+  gathered K/V instead (csrc/flash_prefill.h; attention_plan.py measures where that pays), and so
+  do the shared leading blocks of `flash_min` or more decodes that begin with them (cascade).
 
 The ops are C++ end to end (no Python kernel), so an eager call costs a dispatcher call, and a graph
 compiled with Inductor's C++ wrapper calls them without entering Python. Their fake kernels, for

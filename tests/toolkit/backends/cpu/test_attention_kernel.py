@@ -98,6 +98,37 @@ def test_chunks_through_aten_flash_attention_match_dense(dtype, tol, num_heads, 
     torch.testing.assert_close(attend(batch, q=fused, flash_min=flash_min), out, atol=0, rtol=0)
 
 
+def share_leading_blocks(batch, requests, blocks):
+    """Make `requests` (indices) begin with the first request's first `blocks` blocks, as prefix caching
+    hands them out: their tables name those blocks, and their K/V there are the first request's."""
+    lead, block_size = requests[0], batch.kv_cache.shape[2]
+    for r in requests[1:]:
+        batch.metadata.block_tables[r, :blocks] = batch.metadata.block_tables[lead, :blocks]
+        for kv in (batch.keys, batch.values):
+            kv[r][:blocks * block_size] = kv[lead][:blocks * block_size]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_CONFIGS + [(9, 3)])
+@pytest.mark.parametrize("flash_min", [2, 4])
+def test_decodes_sharing_a_prefix_in_a_cascade_match_dense(dtype, tol, num_heads, num_kv_heads, flash_min):
+    """With flash_min > 0, max(flash_min, 2)+ decodes that begin with the same whole blocks attend to them
+    together (ATen's flash kernel) and each to the rest alone, merged by log-sum-exp: here a group of 5
+    sharing 3 blocks (one of them with only its own token past them), a group of 3 of which one leaves the
+    shared blocks after 2 (the whole group shares 2; with flash_min 4 it is too small), beside a lone
+    decode, a prefill chunk over shared blocks, and padding."""
+    specs = [(48, 1), (52, 1), (63, 1), (64, 1), (90, 1), (50, 1), (70, 1), (33, 1), (100, 1), (30, 20)]
+    batch = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                       dtype=dtype, num_pad=2, seed=flash_min)
+    share_leading_blocks(batch, [0, 1, 2, 3, 4, 9], 3)
+    share_leading_blocks(batch, [5, 6, 7], 2)
+    share_leading_blocks(batch, [5, 6], 3)
+    out = attend(batch, flash_min=flash_min)
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=tol, rtol=tol)
+    assert not out[batch.num_tokens:].any()
+    torch.testing.assert_close(out.double(), attend(batch).double(), atol=tol, rtol=tol)  # the tiles alone
+
+
 def test_strided_q_as_the_model_slices_it():
     batch = make_batch([(7, 3), (30, 1)], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
     fused = torch.cat([batch.q, torch.randn_like(batch.q)], dim=1)

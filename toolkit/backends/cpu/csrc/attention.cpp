@@ -23,6 +23,8 @@
 // With flash_min > 0, a request with at least flash_min new tokens goes instead to ATen's CPU flash
 // attention on its gathered K/V (flash_prefill.h): GEMM-shaped, faster than the tiles on some CPUs and
 // slower on others, so the engine measures where it starts to pay (toolkit/backends/cpu/attention_plan.py).
+// Likewise flash_min or more decodes that begin with the same blocks (a shared prompt prefix) attend to
+// those blocks together, as one chunk of that many rows (cascade attention, run_cascade below).
 
 #include <algorithm>
 #include <array>
@@ -225,7 +227,7 @@ constexpr int HEADS = 1;
 template <typename T>
 void attend(const float* q, const T* q_raw, const T* k, const T* v, const int32_t* table, int len, float* out,
             int num_heads, int group, int head_dim, int block_size, int64_t row_stride, float scale,
-            const int32_t* lens = nullptr) {
+            const int32_t* lens = nullptr, float* lse = nullptr) {
     float running_max[num_heads], denom[num_heads], acc[num_heads * head_dim], p[num_heads * block_size];
     for (int h = 0; h < num_heads; ++h) { running_max[h] = -FLT_MAX; denom[h] = 0.f; }
     std::fill(acc, acc + num_heads * head_dim, 0.f);
@@ -287,6 +289,7 @@ void attend(const float* q, const T* q_raw, const T* k, const T* v, const int32_
     for (int h = 0; h < num_heads; ++h) {
         const float inv = denom[h] > 0.f ? 1.f / denom[h] : 0.f;  // a length of 0 gives zeros
         for (int d = 0; d < head_dim; ++d) out[h * head_dim + d] = acc[h * head_dim + d] * inv;
+        if (lse) lse[h] = running_max[h] + std::log(denom[h]);  // the scores' log-sum-exp, for merging
     }
 }
 
@@ -400,10 +403,92 @@ void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
     }
 }
 
+// Cascade attention for decodes that share a prefix (many requests over one system prompt or
+// document): where at least max(flash_min, 2) one-token requests begin with the same whole blocks, their
+// queries attend to those blocks together, as one chunk of that many rows to ATen's flash kernel (the
+// shared K/V gathered once), and each to its own remaining positions with `attend`; the two parts are
+// merged by their log-sum-exps. Without it each decode reads the shared blocks on its own.
+struct Cascade {
+    std::vector<int64_t> requests;
+    int64_t shared;  // positions [0, shared) common to all, whole blocks, before each one's last position
+};
+
+inline std::vector<Cascade> plan_cascades(const Step& s) {
+    std::vector<Cascade> cascades;
+    const int64_t least = std::max<int64_t>(s.flash_min, 2);
+    if (s.flash_min <= 0) return cascades;
+    std::vector<int64_t> decodes;
+    for (int64_t r = 0; r < s.requests; ++r)
+        if (s.qsl[r + 1] - s.qsl[r] == 1 && s.seq_lens[r] > s.block_size) decodes.push_back(r);
+    // Grouped by first block: sorted by it, then runs of equal ones.
+    auto first = [&](int64_t r) { return s.tables[r * s.table_width]; };
+    std::stable_sort(decodes.begin(), decodes.end(), [&](int64_t a, int64_t b) { return first(a) < first(b); });
+    for (size_t i = 0; i < decodes.size();) {
+        size_t j = i;
+        while (j < decodes.size() && first(decodes[j]) == first(decodes[i])) ++j;
+        if (int64_t(j - i) >= least) {
+            const int32_t* lead = s.tables + decodes[i] * s.table_width;
+            int64_t blocks = s.table_width;
+            for (size_t m = i; m < j; ++m) {
+                const int32_t* table = s.tables + decodes[m] * s.table_width;
+                int64_t b = 0;
+                const int64_t limit = std::min(blocks, (int64_t(s.seq_lens[decodes[m]]) - 1) / s.block_size);
+                while (b < limit && table[b] == lead[b]) ++b;
+                blocks = b;
+            }
+            if (blocks > 0) cascades.push_back({{decodes.begin() + i, decodes.begin() + j}, blocks * s.block_size});
+        }
+        i = j;
+    }
+    return cascades;
+}
+
+template <typename T>
+void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, std::vector<int32_t>& request) {
+    const int64_t m = int64_t(c.requests.size()), heads = s.num_heads, d = s.head_dim;
+    const int64_t row = s.num_kv_heads * d, width = heads * d;
+    const T* q = static_cast<const T*>(s.q);
+    const T* k = static_cast<const T*>(s.k);
+    const T* v = static_cast<const T*>(s.v);
+    std::unique_ptr<T[]> queries(new T[m * width]), kv(new T[2 * c.shared * row]);
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t h = 0; h < heads; ++h)
+            std::memcpy(queries.get() + (i * heads + h) * d, q + s.qsl[c.requests[i]] * s.q_token_stride +
+                        h * s.q_head_stride, d * sizeof(T));
+    const int32_t* lead = s.tables + c.requests[0] * s.table_width;
+    gather_rows(k, lead, c.shared, s.block_size, row, kv.get());
+    gather_rows(v, lead, c.shared, s.block_size, row, kv.get() + c.shared * row);
+    const FlashResult common = flash_attention(
+        heads_view(queries.get(), dtype, heads, m, d, width, d), heads_view(kv.get(), dtype, s.num_kv_heads, c.shared, d, row, d),
+        heads_view(kv.get() + c.shared * row, dtype, s.num_kv_heads, c.shared, d, row, d), false, s.scale);
+    const T* oc = static_cast<const T*>(common.out.data_ptr());
+    const float* lc = static_cast<const float*>(common.lse.data_ptr());
+    const int64_t oh = common.out.stride(1), ot = common.out.stride(2), lh = common.lse.stride(1), lt = common.lse.stride(2);
+    T* out = static_cast<T*>(s.out);
+    const int blocks = int(c.shared / s.block_size);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < m; ++i) {
+        const int64_t r = c.requests[i], t = s.qsl[r];
+        float q32[width], o32[width], lse[heads];
+        const T* q_raw = queries.get() + i * width;
+        for (int64_t e = 0; e < width; ++e) q32[e] = to_float(q_raw[e]);
+        attend(q32, q_raw, k, v, s.tables + r * s.table_width + blocks, int(s.seq_lens[r] - c.shared), o32, int(heads),
+               int(heads / s.num_kv_heads), int(d), int(s.block_size), row, s.scale, nullptr, lse);
+        for (int64_t h = 0; h < heads; ++h) {
+            const float l1 = lc[h * lh + i * lt], l2 = lse[h], top = std::max(l1, l2);
+            const float w1 = std::exp(l1 - top), w2 = std::exp(l2 - top), inv = 1.f / (w1 + w2);
+            for (int64_t e = 0; e < d; ++e)
+                put(out + (t * heads + h) * d + e, (to_float(oc[h * oh + i * ot + e]) * w1 + o32[h * d + e] * w2) * inv);
+        }
+    }
+    for (int64_t r : c.requests) request[s.qsl[r]] = -2;
+}
+
 // q, the cache and out are all of one element type T.
 template <typename T>
 void run(const Step& s, ScalarType dtype, std::vector<int32_t>& request, const std::vector<int32_t>& length) {
     run_flash<T>(s, dtype, request);
+    for (const Cascade& c : plan_cascades(s)) run_cascade<T>(s, dtype, c, request);
     const auto tiles = plan_tiles(s);
     for (const auto& tile : tiles)  // the per-token tasks below leave the tiled tokens alone
         for (int64_t t = tile[1]; t < tile[1] + tile[2]; ++t) request[t] = -2;
@@ -425,7 +510,7 @@ void run(const Step& s, ScalarType dtype, std::vector<int32_t>& request, const s
         for (int64_t split = 0; split < splits; ++split) {
             const int64_t h0 = split * heads;
             T* o = out + (t * s.num_heads + h0) * s.head_dim;
-            if (request[t] == -2) continue;  // in a tile, or a flash request
+            if (request[t] == -2) continue;  // in a tile, a flash request or a cascade
             if (request[t] < 0) {
                 for (int64_t i = 0; i < width; ++i) put(o + i, 0.f);
                 continue;

@@ -117,7 +117,6 @@ class CPUBackend(Backend):
         kv_heads = tp.num_kv_heads_local if tp is not None else mc.num_kv_heads
         chosen = attention_plan.choose(self.config.cpu_prefill_attention, self.config.dtype, heads, kv_heads,
                                        mc.head_dim, self.config.block_size)
-        log.info("CPU %s", chosen)
         self.prefill_attention = chosen
         return chosen
 

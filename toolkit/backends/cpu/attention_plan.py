@@ -48,8 +48,8 @@ def flash_min_for(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
 
 
 def choose(setting: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> str:
-    """Set flash_min for this head shape from `setting` ("auto", "flash" or "tiles"), measuring or reading back the
-    measurement for "auto"; returns what was chosen, for the engine's log."""
+    """Set flash_min for this head shape from `setting` ("auto", "flash" or "tiles"), measuring or reading
+    back the measurement for "auto"; returns what was chosen, for the engine's list of model changes."""
     if setting not in envs.CPU_PREFILL_ATTENTION_CHOICES:
         raise ValueError(f"cpu_prefill_attention must be one of {', '.join(envs.CPU_PREFILL_ATTENTION_CHOICES)}, "
                          f"got {setting!r}")
@@ -64,7 +64,10 @@ def choose(setting: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim
     else:
         flash_min, source = (FLASH_ALWAYS if setting == "flash" else 0), "config"
     _FLASH_MIN[_shape_key(dtype, heads, kv_heads, head_dim, block_size)] = flash_min
-    return f"prefill attention: {describe(flash_min)} ({source})"
+    log.info("CPU prefill attention: %s (%s)", describe(flash_min), source)
+    # Without its source: the compiled step's cache key holds this line, and a choice read back must
+    # find the step compiled when it was measured.
+    return f"prefill attention: {describe(flash_min)}"
 
 
 def describe(flash_min: int) -> str:

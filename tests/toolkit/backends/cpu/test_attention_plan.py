@@ -42,16 +42,20 @@ def test_measuring_keeps_the_tiles_until_flash_wins_for_good(monkeypatch):
     assert with_times(monkeypatch, lambda n: 1.0, lambda n: 0.5 if n == last else 2.0) == last
 
 
-def test_the_choice_is_cached_per_head_shape_and_handed_to_steps_of_that_shape(tmp_path, monkeypatch):
+def test_the_choice_is_cached_per_head_shape_and_handed_to_steps_of_that_shape(tmp_path, monkeypatch, caplog):
     measured = []
     monkeypatch.setattr(attention_plan, "_measure", lambda *shape: measured.append(shape) or 48)
+    caplog.set_level("INFO", logger="toolkit")
     chosen = attention_plan.choose("auto", torch.bfloat16, 9, 3, 64, 16)
-    assert chosen == "prefill attention: ATen's flash attention for chunks of 48+ tokens, the tiles below (measured)"
-    assert attention_plan.choose("auto", torch.bfloat16, 9, 3, 64, 16).endswith("(cached)") and len(measured) == 1
+    # The compiled step's cache key holds this line: a choice read back must give the same one.
+    assert chosen == "prefill attention: ATen's flash attention for chunks of 48+ tokens, the tiles below"
+    assert attention_plan.choose("auto", torch.bfloat16, 9, 3, 64, 16) == chosen and len(measured) == 1
+    assert ["measured", "cached"] == [r.getMessage().rsplit("(", 1)[1].rstrip(")") for r in caplog.records]
     attention_plan.choose("auto", torch.float32, 9, 3, 64, 16)  # another dtype: measured again
     assert len(measured) == 2
     (tmp_path / "kernels" / "attention-choices.json").write_text("{ damaged")
-    assert attention_plan.choose("auto", torch.bfloat16, 9, 3, 64, 16).endswith("(measured)")
+    attention_plan.choose("auto", torch.bfloat16, 9, 3, 64, 16)  # a damaged file: measured anew
+    assert len(measured) == 3
     assert len(json.loads((tmp_path / "kernels" / "attention-choices.json").read_text())) == 1
 
     cache = torch.zeros(2, 4, 16, 3, 64, dtype=torch.bfloat16)

@@ -96,6 +96,27 @@ def test_chunks_through_aten_flash_attention_match_dense(dtype, tol, num_heads, 
     # As the model hands it q: a slice of a fused projection.
     fused = torch.cat([batch.q, torch.randn_like(batch.q)], dim=1)[:, :num_heads]
     torch.testing.assert_close(attend(batch, q=fused, flash_min=flash_min), out, atol=0, rtol=0)
+    # Each request's blocks consecutive: read in place, not gathered.
+    in_consecutive_blocks(batch)
+    torch.testing.assert_close(attend(batch, flash_min=flash_min).double(), dense_reference(batch), atol=tol, rtol=tol)
+
+
+def in_consecutive_blocks(batch):
+    """The batch with each request's blocks consecutive in the cache (as a prompt's are when they were
+    allocated together), which the flash path reads in place instead of gathering them."""
+    block_size, tables = batch.kv_cache.shape[2], batch.metadata.block_tables
+    cache = 100 * torch.randn_like(batch.kv_cache, dtype=torch.float32)
+    next_block = 1
+    for r, (k, v) in enumerate(zip(batch.keys, batch.values)):
+        blocks = -(-len(k) // block_size)
+        tables[r] = 0
+        tables[r, :blocks] = torch.arange(next_block, next_block + blocks, dtype=torch.int32)
+        for pos in range(len(k)):
+            cache[0, next_block + pos // block_size, pos % block_size] = k[pos].float()
+            cache[1, next_block + pos // block_size, pos % block_size] = v[pos].float()
+        next_block += blocks
+    batch.kv_cache = cache.to(batch.kv_cache.dtype)
+    return batch
 
 
 def share_leading_blocks(batch, requests, blocks):
@@ -127,6 +148,11 @@ def test_decodes_sharing_a_prefix_in_a_cascade_match_dense(dtype, tol, num_heads
     torch.testing.assert_close(out.double(), dense_reference(batch), atol=tol, rtol=tol)
     assert not out[batch.num_tokens:].any()
     torch.testing.assert_close(out.double(), attend(batch).double(), atol=tol, rtol=tol)  # the tiles alone
+    in_consecutive_blocks(batch)  # the shared blocks read in place
+    share_leading_blocks(batch, [0, 1, 2, 3, 4, 9], 3)
+    share_leading_blocks(batch, [5, 6, 7], 2)
+    share_leading_blocks(batch, [5, 6], 3)
+    torch.testing.assert_close(attend(batch, flash_min=flash_min).double(), dense_reference(batch), atol=tol, rtol=tol)
 
 
 def test_strided_q_as_the_model_slices_it():

@@ -450,17 +450,16 @@ void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, std::vector<
     const T* q = static_cast<const T*>(s.q);
     const T* k = static_cast<const T*>(s.k);
     const T* v = static_cast<const T*>(s.v);
-    std::unique_ptr<T[]> queries(new T[m * width]), kv(new T[2 * c.shared * row]);
+    std::unique_ptr<T[]> queries(new T[m * width]), buffer(new T[2 * c.shared * row]);
     for (int64_t i = 0; i < m; ++i)
         for (int64_t h = 0; h < heads; ++h)
             std::memcpy(queries.get() + (i * heads + h) * d, q + s.qsl[c.requests[i]] * s.q_token_stride +
                         h * s.q_head_stride, d * sizeof(T));
-    const int32_t* lead = s.tables + c.requests[0] * s.table_width;
-    gather_rows(k, lead, c.shared, s.block_size, row, kv.get());
-    gather_rows(v, lead, c.shared, s.block_size, row, kv.get() + c.shared * row);
-    const FlashResult common = flash_attention(
-        heads_view(queries.get(), dtype, heads, m, d, width, d), heads_view(kv.get(), dtype, s.num_kv_heads, c.shared, d, row, d),
-        heads_view(kv.get() + c.shared * row, dtype, s.num_kv_heads, c.shared, d, row, d), false, s.scale);
+    const auto [keys, values] = request_rows(k, v, s.tables + c.requests[0] * s.table_width, c.shared, s.block_size,
+                                             row, buffer.get());
+    auto kv = [&](const T* rows) { return heads_view(const_cast<T*>(rows), dtype, s.num_kv_heads, c.shared, d, row, d); };
+    const FlashResult common = flash_attention(heads_view(queries.get(), dtype, heads, m, d, width, d), kv(keys),
+                                               kv(values), false, s.scale);
     const T* oc = static_cast<const T*>(common.out.data_ptr());
     const float* lc = static_cast<const float*>(common.lse.data_ptr());
     const int64_t oh = common.out.stride(1), ot = common.out.stride(2), lh = common.lse.stride(1), lt = common.lse.stride(2);

@@ -7,7 +7,8 @@
 // model's head shape and passes the chunk length from which this path serves
 // (toolkit/backends/cpu/attention_plan.py).
 //
-// How: the request's K and V rows are gathered out of its blocks into two contiguous buffers, and the
+// How: the request's K and V rows are read in place where its blocks are consecutive in the cache, else
+// gathered out of its blocks into two contiguous buffers, and the
 // chunk's queries, which are the last n of its len positions, attend to them. The flash kernel's causal
 // mask is aligned top-left (query i sees keys 0..i), so a chunk over a cached prefix is two calls: the
 // prefix's P = len - n keys without a mask, and the chunk's own n keys with the causal mask; their
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include <torch/csrc/inductor/aoti_torch/generated/c_shim_cpu.h>  // aten ops through the C shim
 
@@ -59,6 +61,23 @@ void gather_rows(const T* cache, const int32_t* table, int64_t len, int64_t bloc
     }
 }
 
+// The first len rows of a request's K and V, [len, row] each: in place where its blocks are consecutive
+// in the cache (a prompt's blocks are, when they were allocated together), else gathered into `buffer`
+// (2 x len x row elements).
+template <typename T>
+std::pair<const T*, const T*> request_rows(const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
+                                           int64_t block_size, int64_t row, T* buffer) {
+    bool consecutive = true;
+    for (int64_t b = 1; b * block_size < len && consecutive; ++b) consecutive = table[b] == table[0] + b;
+    if (consecutive) {
+        const int64_t first = int64_t(table[0]) * block_size * row;
+        return {k_cache + first, v_cache + first};
+    }
+    gather_rows(k_cache, table, len, block_size, row, buffer);
+    gather_rows(v_cache, table, len, block_size, row, buffer + len * row);
+    return {buffer, buffer + len * row};
+}
+
 // out rows [t0, t0 + n) of out ([tokens, heads, head_dim], contiguous) from one flash result, or from
 // two merged by their log-sum-exps (a: the prefix's keys, b: the chunk's).
 template <typename T>
@@ -93,14 +112,11 @@ void flash_prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, Sc
                    const T* v_cache, const int32_t* table, int64_t q_row, int64_t n, int64_t len, int64_t heads,
                    int64_t kv_heads, int64_t head_dim, int64_t block_size, double scale, T* buffer, T* out) {
     const int64_t row = kv_heads * head_dim, prefix = len - n;
-    T* keys = buffer;
-    T* values = buffer + len * row;
-    gather_rows(k_cache, table, len, block_size, row, keys);
-    gather_rows(v_cache, table, len, block_size, row, values);
+    const auto [keys, values] = request_rows(k_cache, v_cache, table, len, block_size, row, buffer);
     const Tensor qv = heads_view(const_cast<T*>(q + q_row * q_token_stride), dtype, heads, n, head_dim, q_token_stride,
                                  q_head_stride);
-    auto kv = [&](T* base, int64_t first, int64_t rows) {
-        return heads_view(base + first * row, dtype, kv_heads, rows, head_dim, row, head_dim);
+    auto kv = [&](const T* base, int64_t first, int64_t rows) {  // the flash kernel only reads them
+        return heads_view(const_cast<T*>(base) + first * row, dtype, kv_heads, rows, head_dim, row, head_dim);
     };
     const FlashResult own = flash_attention(qv, kv(keys, prefix, n), kv(values, prefix, n), true, scale);
     T* rows_out = out + q_row * heads * head_dim;

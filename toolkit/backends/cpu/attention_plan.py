@@ -10,8 +10,9 @@ that many rows, and each to its own positions alone (cascade attention).
 On some CPUs flash is several times faster for long chunks, on others slower, so with
 `cpu_prefill_attention="auto"` the engine measures both on the model's head shape at start, per chunk
 length, and keeps the shortest length from which flash wins for good (choices.py; cached in
-`$TOOLKIT_CACHE/kernels/attention-choices.json`). "flash" sends every chunk of 2+ tokens (prefill
-chunks, speculative verify steps) there, and cascades groups of 2+ decodes; "tiles" neither.
+`$TOOLKIT_CACHE/kernels/attention-choices.json`); float16 keeps the tiles (see `choose`). "flash" sends
+every chunk of 2+ tokens (prefill chunks, speculative verify steps) there, and cascades groups of 2+
+decodes; "tiles" neither.
 
 The op takes `flash_min` as an argument, which the registered attention function (`__init__.py`) reads
 from here by the step's shapes when it traces or runs a step: a draft model and its target, each with
@@ -53,7 +54,13 @@ def choose(setting: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim
     if setting not in envs.CPU_PREFILL_ATTENTION_CHOICES:
         raise ValueError(f"cpu_prefill_attention must be one of {', '.join(envs.CPU_PREFILL_ATTENTION_CHOICES)}, "
                          f"got {setting!r}")
-    if setting == "auto":
+    if setting == "auto" and dtype == torch.float16:
+        # ATen's kernel multiplies P by V with P rounded to float16, which the tiles keep in float32; and
+        # it gains least here (at most 1.8x on long chunks on an AMX Xeon, losing below 64 tokens). In the
+        # compiled step its float16 path landed past the half-dtype error bound on one MoE family
+        # (tests/toolkit/test_bf16_error.py), so float16 keeps the tiles unless "flash" is asked for.
+        flash_min, source = 0, "rule: float16"
+    elif setting == "auto":
         library = kernels.library("attention")
         choice_key = choices.key(dtype, heads, kv_heads, head_dim, block_size, library.name if library else "",
                                  CANDIDATE_TOKENS, MARGIN, PREFIX)

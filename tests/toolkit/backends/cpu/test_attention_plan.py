@@ -66,6 +66,9 @@ def test_the_choice_is_cached_per_head_shape_and_handed_to_steps_of_that_shape(t
     assert attention_plan.flash_min_for(torch.zeros(5, 9, 64, dtype=torch.bfloat16), cache) == 0
     attention_plan.choose("flash", torch.bfloat16, 9, 3, 64, 16)
     assert attention_plan.flash_min_for(torch.zeros(5, 9, 64, dtype=torch.bfloat16), cache) == 2
+    attention_plan.choose("auto", torch.float16, 9, 3, 64, 16)  # float16 keeps the tiles, unmeasured
+    assert attention_plan.flash_min_for(torch.zeros(5, 9, 64, dtype=torch.float16), cache.half()) == 0
+    assert len(measured) == 3
     with pytest.raises(ValueError, match="cpu_prefill_attention must be one of auto, flash, tiles"):
         attention_plan.choose("sdpa", torch.bfloat16, 9, 3, 64, 16)
 

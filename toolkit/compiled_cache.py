@@ -125,7 +125,7 @@ class CachedStep:
             log.warning("could not read the compiled step %s (%s); compiling it", path, e)
             return None
         try:
-            return load(data, self.model)
+            return load(data, self.model, self.options)
         except Exception as e:  # a file from another build, or damaged: compile anew and replace it
             log.warning("could not load the compiled step %s (%s: %s); compiling it again", path, type(e).__name__, e)
             return None
@@ -151,10 +151,12 @@ class _NoGuards:
         return True
 
 
-def load(data: bytes, model: torch.nn.Module):
+def load(data: bytes, model: torch.nn.Module, options: dict | None = None):
     """A step saved by CachedStep, its closure's model replaced by `model`: torch's
     `AOTCompiledFunction.deserialize`, less the guard manager's rebuild, which fails on the closure
-    variable and which the signature replaces."""
+    variable and which the signature replaces. `options`, the compile options the step was compiled
+    with, hold again while it loads: loading its C++ reads Inductor's config (with the CPU backend's
+    `cpp.vec_isa_ok`, no ISA probe programs are compiled and run at every start)."""
     from torch._dynamo.aot_compile import AOTCompiledFunction, AOTCompileUnpickler, CompileArtifacts
     from torch._dynamo.package import SerializedCode
 
@@ -162,7 +164,9 @@ def load(data: bytes, model: torch.nn.Module):
     state["runtime_env"] = dataclasses.replace(
         state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode))
     deserializer, compiled_state = state["compiled_fn"]
-    with torch._inductor.config.patch(enable_autograd_for_aot=True):
+    known = torch._inductor.config.get_config_copy()
+    inductor = {k: v for k, v in (options or {}).items() if k in known}
+    with torch._inductor.config.patch({**inductor, "enable_autograd_for_aot": True}):
         state["compiled_fn"] = deserializer(compiled_state)
     state["original_code"] = SerializedCode.to_code_object(state["original_code"])
     state["guard_manager"] = _NoGuards()

@@ -473,12 +473,8 @@ void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, std::vector<
         for (int64_t e = 0; e < width; ++e) q32[e] = to_float(q_raw[e]);
         attend(q32, q_raw, k, v, s.tables + r * s.table_width + blocks, int(s.seq_lens[r] - c.shared), o32, int(heads),
                int(heads / s.num_kv_heads), int(d), int(s.block_size), row, s.scale, nullptr, lse);
-        for (int64_t h = 0; h < heads; ++h) {
-            const float l1 = lc[h * lh + i * lt], l2 = lse[h], top = std::max(l1, l2);
-            const float w1 = std::exp(l1 - top), w2 = std::exp(l2 - top), inv = 1.f / (w1 + w2);
-            for (int64_t e = 0; e < d; ++e)
-                put(out + (t * heads + h) * d + e, (to_float(oc[h * oh + i * ot + e]) * w1 + o32[h * d + e] * w2) * inv);
-        }
+        for (int64_t h = 0; h < heads; ++h)
+            merge_row(out + (t * heads + h) * d, oc + h * oh + i * ot, lc[h * lh + i * lt], o32 + h * d, lse[h], d);
     }
     for (int64_t r : c.requests) request[s.qsl[r]] = -2;
 }

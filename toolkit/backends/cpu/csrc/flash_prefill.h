@@ -78,6 +78,16 @@ std::pair<const T*, const T*> request_rows(const T* k_cache, const T* v_cache, c
     return {buffer, buffer + len * row};
 }
 
+// One output row (one token, one head) from two attentions of it over disjoint sets of keys: x over
+// keys whose scores' log-sum-exp is lx, y over the others (lse ly). Each is weighted by its share of the
+// whole softmax's denominator. The one definition of the merge, for the flash path's two calls and for
+// the cascade's shared and own parts.
+template <typename T, typename X, typename Y>
+inline void merge_row(T* out, const X* x, float lx, const Y* y, float ly, int64_t head_dim) {
+    const float top = std::max(lx, ly), wx = std::exp(lx - top), wy = std::exp(ly - top), inv = 1.f / (wx + wy);
+    for (int64_t d = 0; d < head_dim; ++d) put(out + d, (to_float(x[d]) * wx + to_float(y[d]) * wy) * inv);
+}
+
 // out rows [t0, t0 + n) of out ([tokens, heads, head_dim], contiguous) from one flash result, or from
 // two merged by their log-sum-exps (a: the prefix's keys, b: the chunk's).
 template <typename T>
@@ -98,10 +108,7 @@ void write_flash(T* out, int64_t n, int64_t heads, int64_t head_dim, const Flash
                 std::memcpy(o, x, head_dim * sizeof(T));
                 continue;
             }
-            const T* y = ob + h * bh + t * bt;
-            const float l1 = la[h * lah + t * lat], l2 = lb[h * lbh + t * lbt], m = std::max(l1, l2);
-            const float w1 = std::exp(l1 - m), w2 = std::exp(l2 - m), inv = 1.f / (w1 + w2);
-            for (int64_t d = 0; d < head_dim; ++d) put(o + d, (to_float(x[d]) * w1 + to_float(y[d]) * w2) * inv);
+            merge_row(o, x, la[h * lah + t * lat], ob + h * bh + t * bt, lb[h * lbh + t * lbt], head_dim);
         }
 }
 

@@ -9,11 +9,13 @@ transformers' (checked here for every model). Three launches, several cases each
 2-4 processes on 2 cores):
 
 - pp=2: n-gram speculation (chunked prefill; seeded sampling with n=2 and logprobs), a draft model
-  (chunked), a CPU tier under a 3-block device cache (chunked, prefix caching: tier hits), swap
+  (chunked), a CPU tier under a 3-block device cache (chunked, prefix caching: tier hits; attention
+  through ATen's flash kernel, `cpu_prefill_attention="flash"`), swap
   preemption forced (chunked), a disk tier that this launch writes, a GGUF file (each stage
   de-quantizes only its layers), and weight-only int8 with a draft model (each stage quantizes its
   own linears; the draft, on the last stage, is quantized too);
-- pp=2 x tp=2: a draft model (seeded sampling, n=2, logprobs; chunked), a MoE model with expert
+- pp=2 x tp=2: a draft model (seeded sampling, n=2, logprobs; chunked; flash attention on each TP
+  rank's heads, for the target's chunks and verify steps and the draft's), a MoE model with expert
   parallelism over each stage's two TP ranks (chunked), and the GGUF file (each TP rank de-quantizes
   its rows, q/k's permuted ones, and its columns: 256-aligned K-quant blocks read alone, the others cut);
 - pp=2 x dp=2: a MoE model with expert parallelism over each stage's ranks in both replicas (which
@@ -43,6 +45,9 @@ pytestmark = pytest.mark.slow
 WORKER = REPO / "tests" / "parallel" / "compose_worker.py"
 NEW_TOKENS = 10
 CHUNKED = {"max_num_batched_tokens": 16}
+# ATen's flash attention for every request step of 2+ tokens (chunks, verify steps) and cascades of 2+
+# decodes over shared blocks, whatever this host's measured choice (toolkit/backends/cpu/attention_plan.py).
+FLASH = {"cpu_prefill_attention": "flash"}
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7, n=2, logprobs=2, max_tokens=6)
 # One KV block (16 tokens) of the fuller stage of llama3 at pp=2 (layers 0-2: 3 layers x K and V x 2 kv
 # heads x 16 dims x 4 bytes per token); the stages agree on the smaller count.
@@ -72,12 +77,12 @@ def setup(tmp_path_factory):
         "ngram": (llama, {**CHUNKED, "speculative_config": ngram}, SAMPLED),
         "draft": (llama, {**CHUNKED, "speculative_config": drafted}, None),
         "cpu_tier": (llama, {**CHUNKED, "kv_cache_memory_bytes": 3 * BLOCK, "kv_offloading_size": TIER_GIB,
-                             "enable_prefix_caching": True}, None),
+                             "enable_prefix_caching": True, **FLASH}, None),
         "swap": (llama, {**CHUNKED, "kv_cache_memory_bytes": 4 * BLOCK, "kv_offloading_size": TIER_GIB,
                          "preemption_mode": "swap"}, None),
         "disk_write": (llama, {"kv_disk_cache_dir": str(disk), "kv_disk_cache_size": 0.01,
                                "enable_prefix_caching": True}, None),
-        "draft_tp": (llama, {**CHUNKED, "speculative_config": drafted}, SAMPLED),
+        "draft_tp": (llama, {**CHUNKED, "speculative_config": drafted, **FLASH}, SAMPLED),
         "moe_ep": (moe, {**CHUNKED, "enable_expert_parallel": True}, None),
         "gguf": (gguf, {}, None),
         "int8_draft": (llama, {**CHUNKED, "quantization": "int8", "speculative_config": drafted}, None),

@@ -25,6 +25,7 @@ back to torch.compile's JIT path with one warning. Off with `compile_cache=False
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -33,6 +34,7 @@ import json
 import logging
 import platform
 import time
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -166,13 +168,28 @@ def load(data: bytes, model: torch.nn.Module, options: dict | None = None):
     deserializer, compiled_state = state["compiled_fn"]
     known = torch._inductor.config.get_config_copy()
     inductor = {k: v for k, v in (options or {}).items() if k in known}
-    with torch._inductor.config.patch({**inductor, "enable_autograd_for_aot": True}):
+    with torch._inductor.config.patch({**inductor, "enable_autograd_for_aot": True}), _no_header_precompiling():
         state["compiled_fn"] = deserializer(compiled_state)
     state["original_code"] = SerializedCode.to_code_object(state["original_code"])
     state["guard_manager"] = _NoGuards()
     graph = AOTCompiledFunction(CompileArtifacts(**state))
     graph.disable_guard_check()
     return graph
+
+
+@contextlib.contextmanager
+def _no_header_precompiling():
+    """Inductor precompiles its C++ header (preprocessing all of it, then hashing that) before it
+    looks for the library it would build, so every load paid that for a library already built. The
+    compile options stay as they were (they are in the library's key); only that work is skipped.
+    Where the library is gone it builds without the precompiled header: slower, the same code."""
+    from torch._inductor import codecache
+
+    if not hasattr(codecache, "_precompile_header"):  # another torch: loading still works, as before
+        yield
+        return
+    with unittest.mock.patch.object(codecache, "_precompile_header", lambda *args, **kwargs: None):
+        yield
 
 
 def _tensor_signature(t: torch.Tensor) -> tuple:

@@ -1,7 +1,8 @@
 """A fresh process's engines on saved compiled steps: `python compiled_cache_worker.py CACHE_DIR SPEC_JSON`.
 
 SPEC: {"models": [checkpoint, ...], "prompts": [[ids], ...], "max_tokens": n}. Prints one JSON line:
-per model its greedy tokens and where its step came from, and how many graphs Dynamo traced here.
+per model its greedy tokens and where its step came from, how many graphs Dynamo traced here, and how
+many times Inductor ran the C++ compiler here (preprocessing a header to precompile it counts).
 """
 
 import json
@@ -13,6 +14,11 @@ from toolkit import compiled_cache
 compiled_cache.cache_dir = lambda: Path(sys.argv[1])
 
 from torch._dynamo.utils import counters  # noqa: E402
+from torch._inductor import cpp_builder  # noqa: E402
+
+builds = []
+_build = cpp_builder.CppBuilder.build
+cpp_builder.CppBuilder.build = lambda self: builds.append(self.get_target_file_path()) or _build(self)
 
 from toolkit import LLM, SamplingParams  # noqa: E402
 
@@ -25,4 +31,5 @@ for model in spec["models"]:
     results.append({"tokens": [o.outputs[0].token_ids for o in outs],
                     "sources": llm.engine.runner.step.forward.sources})
     del llm
-print(json.dumps({"models": results, "dynamo_graphs": counters["stats"]["unique_graphs"]}))
+print(json.dumps({"models": results, "dynamo_graphs": counters["stats"]["unique_graphs"],
+                  "cpp_builds": builds}))

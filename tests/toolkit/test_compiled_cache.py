@@ -62,6 +62,9 @@ def test_a_fresh_process_loads_the_step_and_another_checkpoint_shares_it(models,
     assert [m["tokens"] for m in result["models"]] == want
     assert [m["sources"] for m in result["models"]] == [{saved[0].name: "loaded"}] * 2
     assert result["dynamo_graphs"] == 0, "a loaded step must not be traced again"
+    # It finds the library the first process built (the same build key), and does not preprocess
+    # Inductor's header to precompile it for a build it does not do.
+    assert result["cpp_builds"] == [], result["cpp_builds"]
     assert sorted(cache.iterdir()) == saved
 
 

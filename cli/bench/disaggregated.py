@@ -192,8 +192,11 @@ def report_lines(report: dict) -> list[str]:
                      f"{tpot['p99']:>8.1f}ms {lat['itl_ms']['p99']:>8.1f}ms {lat['output_tokens_per_s']:>10.1f}")
     for label, res in report["systems"].items():
         if "requests_identical_to_colocated" in res:
-            lines.append(f"  {label}: {res['requests_identical_to_colocated']} of {w['requests']} requests' tokens "
-                         "identical to the colocated run's")
+            same = res["requests_identical_to_colocated"]
+            lines.append(f"  {label}: {same} of {w['requests']} requests' tokens identical to the colocated run's"
+                         + ("" if same == w["requests"] else
+                            " (in bf16 or fp16 a row's kernel path follows its step's batch shape, which differs "
+                            "between the two, so greedy near-ties can flip; in float32 every request should match)"))
         for role in (r for r in res["roles"] if r and r["local_rank"] == 0):
             lines.append(f"  {label}, {role['role']} instance {role['instance']}: " + role_line(role))
     return lines

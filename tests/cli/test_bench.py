@@ -707,6 +707,28 @@ def test_mixed_workload_places_long_prompts_among_short_ones_arriving_as_a_seede
         mixed_workload(2, 3, 50, (4, 9), 6, 0.0, VOCAB)
 
 
+def test_disagg_report_explains_differing_tokens_only_where_some_differ():
+    """The report says why greedy tokens can differ from the colocated run's (rounding in half types)
+    only when some request's do, and never suggests float32 differs."""
+    from toolkit.cli.bench.disaggregated import report_lines
+
+    latency = {"ttft_ms": {"median": 1.0, "p99": 2.0}, "tpot_ms": {"median": 1.0, "p99": 2.0},
+               "itl_ms": {"p99": 2.0}, "output_tokens_per_s": 10.0}
+
+    def lines(same: int) -> str:
+        report = {"workload": {"requests": 6, "long_prompts": 1, "prompt_tokens": 60, "output_tokens": 24,
+                               "prefill_to_decode_tokens": 2.5, "rate": 0.0},
+                  "systems": {"colocated (dp=2)": {"latency": latency, "roles": []},
+                              "disaggregated 1:1": {"latency": latency, "roles": [],
+                                                    "requests_identical_to_colocated": same}}}
+        return "\n".join(report_lines(report))
+
+    assert "6 of 6 requests' tokens identical to the colocated run's\n" in lines(6) + "\n"
+    assert "near-ties" not in lines(6)
+    assert "5 of 6 requests' tokens identical" in lines(5) and "near-ties can flip" in lines(5)
+    assert "in float32 every request should match" in lines(5)
+
+
 def test_disagg_bench_runs_colocated_and_disaggregated_on_two_ranks_with_the_same_tokens(tiny, tmp_path):
     """`toolkit bench disagg`: both systems as 2-process jobs; every request completes with its tokens
     (float32, greedy: the same in both), and every prompt's KV went from the prefill to the decode

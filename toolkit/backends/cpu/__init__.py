@@ -23,7 +23,7 @@ import torch
 
 from toolkit import attention
 from toolkit.backends import Backend
-from toolkit.backends.cpu import attention_plan, kernels
+from toolkit.backends.cpu import attention_plan, kernels, vec_isa_probes
 from toolkit.backends.cpu.experts import pack_experts
 from toolkit.backends.cpu.linear import (LinearPlan, layer_shapes, onednn_native, pack_int8_linears, pack_linears,
                                          plan_for)
@@ -130,8 +130,10 @@ class CPUBackend(Backend):
             options["cpp_wrapper_build_separate"] = True
         if self.config.compile_backend == "inductor":
             # Inductor's ISA checks compile and load a test program per ISA, several seconds at every
-            # start; /proc/cpuinfo, which it reads first, already says what this CPU runs.
+            # start; /proc/cpuinfo, which it reads first, already says what this CPU runs. The checks
+            # that ignore this (AVX-512 BF16, AMX) are remembered between starts instead.
             options["cpp.vec_isa_ok"] = True
+            vec_isa_probes.remember()
         return options
 
     def stats(self) -> dict:

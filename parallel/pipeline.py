@@ -280,7 +280,8 @@ class PipelineParallel:
         self._turn_end = None
         if self._owed is not None:
             end, self._owed = self._owed, None
-            self._sends.append((dist.isend(end, group=self.group, group_dst=self.stage.index + 1), end))
+            with self._sending("the end of the run"):
+                self._sends.append((dist.isend(end, group=self.group, group_dst=self.stage.index + 1), end))
         if self._ahead is not None:
             work, _ = self._ahead
             self._ahead = None
@@ -293,7 +294,8 @@ class PipelineParallel:
         # A replayed CUDA graph's output is its static buffer, which the next replay overwrites while
         # this send may still be reading it; Inductor's CPU outputs are fresh each step.
         hidden = hidden.clone() if hidden.is_cuda else hidden.contiguous()
-        self._sends.append((dist.isend(hidden, group=self.group, group_dst=self.stage.index + 1), hidden))
+        with self._sending("its hidden states"):
+            self._sends.append((dist.isend(hidden, group=self.group, group_dst=self.stage.index + 1), hidden))
         self.stats.hidden_bytes += hidden.numel() * hidden.element_size()
         if self._cpu and self._owed is None:  # the next stage posts its receives ahead: it will need an end message
             self._owed = hidden.new_zeros((1, *hidden.shape[1:]))
@@ -389,7 +391,20 @@ class PipelineParallel:
         try:
             yield
         except (RuntimeError, dist.DistError) as exc:
-            raise RuntimeError(f"pipeline stage {self.stage.index + 1} of {self.stage.size} (rank {self.rank}) "
-                               f"stopped waiting for {what}: {exc}") from exc
+            raise self._peer_failed(f"stopped waiting for {what}", exc) from exc
         finally:
             self._idle += time.perf_counter() - start
+
+    @contextmanager
+    def _sending(self, what: str):
+        """A send to the next stage: where that stage died, gloo fails the send itself (its connection
+        closed), which can come before any wait notices; named as a wait's failure is."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._peer_failed(f"could not send {what} to stage {self.stage.index + 2} "
+                                    f"(rank {self.rank + self.tp_size})", exc) from exc
+
+    def _peer_failed(self, doing: str, exc: Exception) -> RuntimeError:
+        return RuntimeError(f"pipeline stage {self.stage.index + 1} of {self.stage.size} (rank {self.rank}) "
+                            f"{doing}: {exc}")

@@ -22,6 +22,7 @@ Each launch checks several things at once, since every launch starts 3-4 process
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -165,8 +166,11 @@ def test_a_stage_dying_mid_run_ends_the_job_naming_it(case, tmp_path):
                     env={"TOOLKIT_DIST_TIMEOUT": "20"})
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
-    assert "pipeline stage 1 of 2 (rank 0) stopped waiting for the last stage (rank 1)'s tokens" in (
-        proc.stdout + proc.stderr), output_tail(proc)
+    # Rank 0 finds the death waiting for rank 1's tokens, or, where it was sending the next step's hidden
+    # states when rank 1's connection closed, in that send: either way both ranks are named.
+    assert re.search(r"pipeline stage 1 of 2 \(rank 0\) (stopped waiting for the last stage \(rank 1\)'s tokens"
+                     r"|could not send its hidden states to stage 2 \(rank 1\))", proc.stdout + proc.stderr), \
+        output_tail(proc)
     assert elapsed < 150, f"the job took {elapsed:.0f} s to fail"
 
 

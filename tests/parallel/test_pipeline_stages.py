@@ -124,3 +124,27 @@ def test_stages_hold_their_tensors_and_chain_to_the_whole_model(tmp_path, family
                 if model.lm_head is None:
                     assert hidden.shape == (inputs.input_ids.shape[0], mc.hidden_size)
             torch.testing.assert_close(hidden, want, rtol=0, atol=0)
+
+
+def test_a_send_to_a_stage_that_died_names_both_ranks(monkeypatch):
+    """gloo fails a send itself where the next stage's connection closed, which can come before any
+    wait of this stage notices the death (test_pipeline_parallel.py's fault test runs into either):
+    the error names this stage and rank and the one it sent to, as a failed wait does."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from toolkit.parallel.pipeline import PipelineParallel, StageStats
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:3499")
+
+    monkeypatch.setattr(dist, "isend", closed)
+    link = PipelineParallel.__new__(PipelineParallel)
+    link.stage, link.group, link.rank, link.tp_size = SimpleNamespace(index=0, size=3), None, 1, 2
+    link._sends, link.stats, link._cpu, link._owed = deque(), StageStats(), True, None
+    with pytest.raises(RuntimeError, match=r"^pipeline stage 1 of 3 \(rank 1\) could not send its hidden states to "
+                                           r"stage 2 \(rank 3\): Connection closed by peer"):
+        link.send_hidden(torch.zeros(2, 4))
+    assert not link._sends and link.stats.hidden_bytes == 0

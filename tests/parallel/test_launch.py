@@ -17,7 +17,9 @@ from toolkit.parallel.launch import maybe_relaunch
 code = maybe_relaunch(2)
 if code is not None:
     sys.exit(code)
-print("rank", os.environ["RANK"], "threads", os.environ["OMP_NUM_THREADS"], flush=True)
+# One write per line: with PYTHONUNBUFFERED (set on these machines) print writes each piece apart, and the
+# two ranks' pieces interleaved on the shared pipe once.
+os.write(1, f"rank {os.environ['RANK']} threads {os.environ['OMP_NUM_THREADS']}\\n".encode())
 """
 
 pytestmark = pytest.mark.slow

@@ -34,7 +34,6 @@ import json
 import logging
 import platform
 import time
-import unittest.mock
 from pathlib import Path
 
 import torch
@@ -157,8 +156,8 @@ def load(data: bytes, model: torch.nn.Module, options: dict | None = None):
     """A step saved by CachedStep, its closure's model replaced by `model`: torch's
     `AOTCompiledFunction.deserialize`, less the guard manager's rebuild, which fails on the closure
     variable and which the signature replaces. `options`, the compile options the step was compiled
-    with, hold again while it loads: loading its C++ reads Inductor's config (with the CPU backend's
-    `cpp.vec_isa_ok`, no ISA probe programs are compiled and run at every start)."""
+    with, hold again while it loads: loading its C++ reads Inductor's config, and the library's key
+    is made from it (the CPU backend's `cpp.vec_isa_ok` also spares the load the base ISA checks)."""
     from torch._dynamo.aot_compile import AOTCompiledFunction, AOTCompileUnpickler, CompileArtifacts
     from torch._dynamo.package import SerializedCode
 
@@ -185,11 +184,15 @@ def _no_header_precompiling():
     Where the library is gone it builds without the precompiled header: slower, the same code."""
     from torch._inductor import codecache
 
-    if not hasattr(codecache, "_precompile_header"):  # another torch: loading still works, as before
+    precompile = getattr(codecache, "_precompile_header", None)
+    if precompile is None:  # another torch: loading still works, as before
         yield
         return
-    with unittest.mock.patch.object(codecache, "_precompile_header", lambda *args, **kwargs: None):
+    codecache._precompile_header = lambda *args, **kwargs: None
+    try:
         yield
+    finally:
+        codecache._precompile_header = precompile
 
 
 def _tensor_signature(t: torch.Tensor) -> tuple:

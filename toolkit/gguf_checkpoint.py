@@ -185,10 +185,12 @@ def metadata(reader, key: str, default=...):
 
 
 def hf_config(path):
-    """A transformers config (the config class only) holding what the file's metadata says: what
-    `load_model_config` reads from a config.json. Unsupported architectures, tensor types and
-    options are refused here, before anything loads."""
-    from transformers import AutoConfig
+    """A transformers config holding what the file's metadata says: what `load_model_config` reads
+    from a config.json. A plain PretrainedConfig, not the family's class: importing LlamaConfig or
+    Qwen2Config pulls transformers' modeling and DTensor modules into every start, and the toolkit
+    reads only the fields set here. Unsupported architectures, tensor types and options are refused
+    here, before anything loads."""
+    from transformers import PretrainedConfig
 
     reader = read(path)
     arch = metadata(reader, "general.architecture")
@@ -208,8 +210,7 @@ def hf_config(path):
     rotary = metadata(reader, f"{arch}.rope.dimension_count", head_dim)
     if rotary != head_dim:
         raise UnsupportedModelError(f"{path}: RoPE on {rotary} of {head_dim} head dimensions is not implemented")
-    config = AutoConfig.for_model(
-        ARCHITECTURES[arch].removesuffix("ForCausalLM").lower(),
+    config = PretrainedConfig(
         architectures=[ARCHITECTURES[arch]],
         vocab_size=int(names["token_embd.weight"].shape[-1]),
         hidden_size=hidden,
@@ -228,6 +229,7 @@ def hf_config(path):
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=metadata(reader, "tokenizer.ggml.eos_token_id", None),
         pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id", None),
+        hidden_act="silu",  # what llama.cpp runs for all three architectures
         # De-quantized weights are exact in float32 (f16 and bf16 ones too); dtype= chooses another.
         dtype="float32",
     )

@@ -14,8 +14,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 def load_tokenizer(path: str | Path):
     """The checkpoint's tokenizer, or None when the folder has no tokenizer files (token-id prompts only).
     A GGUF file's is the one stored in it, chat template included."""
-    from transformers import AutoTokenizer
-
     path = Path(path)
     if not has_tokenizer(path):
         return None
@@ -24,6 +22,8 @@ def load_tokenizer(path: str | Path):
 
         tokenizer = load_gguf_tokenizer(path)
     else:
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(path)
     # Prompts are bounded by max_model_len, checked by the engine; the tokenizer's own limit would only
     # print a warning about "sequence length" that says nothing about what the engine accepts.

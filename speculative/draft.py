@@ -19,7 +19,7 @@ import time
 import torch
 
 from toolkit.scheduling import Request, ScheduledRequest
-from toolkit.sampler import STREAM_DRAFT, Sampler, argmax_rows, uses_logits_processors, uses_penalties
+from toolkit.sampler import STREAM_DRAFT, Sampler, argmax_rows, sample_rows, uses_logits_processors, uses_penalties
 from toolkit.sampling_params import SamplingParams
 
 
@@ -83,8 +83,7 @@ class DraftModelProposer:
             # The draft's argmax after the request's penalties; q is not needed to verify greedy drafts.
             return self.sampler.sample(logits, ids, params, prompts, outputs, positions).tolist(), None
         q = self.sampler.probabilities(logits, params, prompts, outputs)
-        noise = self.sampler.random_rows(q, ids, params, positions, STREAM_DRAFT, "exponential")
-        sampled = argmax_rows(q / noise)
+        sampled = sample_rows(q, self.sampler.random_rows(ids, params, positions, STREAM_DRAFT, q.device))
         greedy = torch.tensor([p.is_greedy for p in params], device=q.device)
         return torch.where(greedy, argmax_rows(q), sampled).tolist(), q
 

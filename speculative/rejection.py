@@ -11,7 +11,7 @@ draft's q_j went through the same processing (speculative/draft.py).
   p_{k+1}. This is the speculative sampling of Leviathan et al. and Chen et al. (2023), whose output
   token at each position has exactly the target's distribution.
 - Greedy requests, and n-gram drafts (q one-hot): row j's plain sample t_j (the argmax, or the
-  exponential race on the position's own noise) is computed, d_j is kept while d_j == t_j, and the
+  inverse transform of the position's own uniform) is computed, d_j is kept while d_j == t_j, and the
   first t_j that differs (or t_{k+1}) ends the run. For a one-hot q this *is* the rule above:
   P(t_j = d_j) = p_j(d_j) = min(1, p_j(d_j) / 1), and t_j given t_j != d_j is distributed as p_j
   without d_j, renormalized: norm(max(0, p_j - onehot(d_j))). It also draws exactly the tokens plain
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.outputs import Logprob
-from toolkit.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, Sampler, argmax_rows, gather_logprobs, uses_penalties
+from toolkit.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, Sampler, gather_logprobs, sample_rows,
+                             uses_penalties)
 from toolkit.sampling_params import SamplingParams
 
 
@@ -93,14 +94,14 @@ class RejectionSampler:
         d = torch.tensor([t for i in tested for t in drafts[i]], device=p.device).unsqueeze(1)
         p_d, q_d = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)
         positions = sub.positions
-        u = self.sampler.random_rows(p_d, sub.ids, sub.params, positions, STREAM_ACCEPT, "uniform")
+        u = self.sampler.random_rows(sub.ids, sub.params, positions, STREAM_ACCEPT, p.device).squeeze(1)
         accept = (u * q_d < p_d).tolist()  # u < p/q without dividing by a q that may round to 0
         leftover = (p - q).clamp_(min=0)
         # Where p <= q everywhere (p == q up to rounding) rejection has probability 0; p stands in.
         empty = leftover.sum(dim=1, keepdim=True) <= 0
         leftover = torch.where(empty, p, leftover)
-        noise = self.sampler.random_rows(leftover, sub.ids, sub.params, positions, STREAM_RESIDUAL, "exponential")
-        residual = argmax_rows(leftover.div_(noise)).tolist()
+        residual = sample_rows(leftover, self.sampler.random_rows(sub.ids, sub.params, positions, STREAM_RESIDUAL,
+                                                                 p.device)).tolist()
         out_accept, out_residual, at = {}, {}, 0
         for i in tested:
             k = len(drafts[i])

@@ -5,11 +5,13 @@ argmax -> temperature -> top-k -> top-p -> min-p -> sample. All per-row settings
 once per call, so every step is a handful of batched tensor ops whatever the mix of requests; the only
 host syncs are reading back the sampled ids (and the logprobs, when asked for).
 
-Sampling uses the exponential race: argmax(probs / E) with E ~ Exponential(1) i.i.d. picks token i
-with probability probs[i]. Its randomness is one noise row per request and output position; a seeded
-request's row is drawn from a generator keyed by (seed, position), so it gets the same tokens whatever
-else shares the batch and whether or not speculative decoding verified that position
-(speculative/rejection.py).
+Sampling is by inverse transform (`sample_rows`): token i is the first whose cumulative probability
+exceeds a uniform u, which picks it with probability probs[i]. Its randomness is one float64 uniform
+per request and output position, not a noise value per vocabulary entry (the exponential race,
+argmax(probs / E), draws as many random numbers as the vocabulary has tokens, which cost more than the
+rest of a decode step's sampling together); a seeded request's uniform is drawn from a generator keyed
+by (seed, position), so it gets the same tokens whatever else shares the batch and whether or not
+speculative decoding verified that position (speculative/rejection.py).
 """
 
 from __future__ import annotations
@@ -97,32 +99,26 @@ class Sampler:
         if all(greedy):
             return greedy_tokens
         probs = self._filtered(logits, params).softmax(dim=-1)
-        noise = self.random_rows(probs, request_ids, params, positions, STREAM_SAMPLE, "exponential")
-        random_tokens = argmax_rows(probs.div(noise))
+        random_tokens = sample_rows(probs, self.random_rows(request_ids, params, positions, STREAM_SAMPLE, probs.device))
         if not any(greedy):
             return random_tokens
         is_greedy = torch.tensor(greedy, device=logits.device)
         return torch.where(is_greedy, greedy_tokens, random_tokens)
 
-    def random_rows(self, like: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-                    positions: list[int], stream: int, kind: str) -> torch.Tensor:
-        """Random numbers shaped like `like` ([B, ...]): Exponential(1) ("exponential") or U[0, 1)
-        ("uniform"). A seeded request's row is a function of (seed, output position, stream) alone, so
-        it is the same whatever else shares the batch, however its tokens were split over steps, and
-        whether or not a speculative step computed that position; other rows use the engine's stream."""
-        out = torch.zeros_like(like, dtype=torch.float32)  # greedy rows stay 0: never read
-        fill = (lambda t, g: t.exponential_(generator=g)) if kind == "exponential" else (
-            lambda t, g: t.uniform_(generator=g))
+    def random_rows(self, request_ids: list[str], params: list[SamplingParams], positions: list[int], stream: int,
+                    device: torch.device) -> torch.Tensor:
+        """One float64 uniform on [0, 1) per row, [B, 1] (53 random bits: a float32 uniform's 24 would
+        round each token's chance in `sample_rows` to a multiple of 2^-24). A seeded request's is a
+        function of (seed, output position, stream) alone, so it is the same whatever else shares the
+        batch, however its tokens were split over steps, and whether or not a speculative step computed
+        that position; other rows use the engine's stream."""
+        out = torch.zeros(len(request_ids), 1, dtype=torch.float64, device=device)  # greedy rows: never read
         types = [p.sampling_type for p in params]
         if SamplingType.RANDOM in types:
-            fill(out, self._engine_generator(like.device))
-        for row, (request_id, kind_) in enumerate(zip(request_ids, types)):
-            if kind_ == SamplingType.RANDOM_SEED:
-                fill(out[row], self._keyed_generator(request_id, positions[row], stream, like.device))
-        if kind == "exponential":
-            # exponential_ can return exactly 0; a masked token would then score 0/0 = NaN, which
-            # argmax picks. A tiny floor keeps masked tokens at score 0.
-            out.clamp_(min=torch.finfo(out.dtype).tiny)
+            out.uniform_(generator=self._engine_generator(device))
+        for row, (request_id, kind) in enumerate(zip(request_ids, types)):
+            if kind == SamplingType.RANDOM_SEED:
+                out[row].uniform_(generator=self._keyed_generator(request_id, positions[row], stream, device))
         return out
 
     def _engine_generator(self, device: torch.device) -> torch.Generator:
@@ -159,6 +155,39 @@ def _mix(seed: int, position: int, stream: int) -> int:
         x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         x ^= x >> 31
     return x >> 1
+
+
+SAMPLE_BLOCK = 256  # tokens per block of `sample_rows`' first, coarse search
+
+
+def sample_rows(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token drawn with probability weights[i, t] / weights[i].sum(), as int64 [B], by inverse
+    transform: the first token whose cumulative weight exceeds u[i] times the row's total (u: [B, 1],
+    float64, uniform on [0, 1)). The weights need not be normalized (a rejection's residual is not); a
+    token of weight 0 is never drawn. Sums are float64, so each token's chance is exact to ~1e-16 of the
+    total even over a vocabulary-sized row, where float32 sums would round a rare token's share to the
+    running total's spacing. In two levels, since a float64 cumulative sum over the whole row is
+    several times slower than summing it: find the block of SAMPLE_BLOCK tokens from the blocks'
+    sums, then the token inside it."""
+    rows, vocab = weights.shape
+    whole = vocab // SAMPLE_BLOCK * SAMPLE_BLOCK
+    sums = [weights[:, :whole].view(rows, -1, SAMPLE_BLOCK).sum(-1, dtype=torch.float64)] if whole else []
+    if whole < vocab:
+        sums.append(weights[:, whole:].sum(-1, keepdim=True, dtype=torch.float64))
+    block_cdf = torch.cat(sums, dim=1).cumsum(dim=1)
+    # u < 1, so the target stays below the total: the first block whose cumulative sum exceeds it
+    # holds weight. (The clamp keeps a row of no weight at all, or of NaN, in range.)
+    target = u * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), 0.0)
+    columns = block * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=weights.device)
+    inside = weights.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(columns >= vocab, 0)
+    cdf = inside.cumsum(dim=1, dtype=torch.float64)
+    # The block's own running sum may round apart from its sum above: keep the rest inside its weight.
+    zero = torch.zeros_like(target)
+    rest = torch.minimum((target - before).clamp_(min=0), torch.nextafter(cdf[:, -1:], zero))
+    token = torch.searchsorted(cdf, rest, right=True).clamp_(max=SAMPLE_BLOCK - 1)
+    return (block * SAMPLE_BLOCK + token).squeeze(1).clamp_(max=vocab - 1)
 
 
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ within about 4 standard deviations.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.hypothesis_profiles import examples
 from toolkit.sampler import (Sampler, apply_min_p, apply_penalties, apply_temperature,
-                             apply_top_k_top_p, argmax_rows)
+                             apply_top_k_top_p, argmax_rows, sample_rows)
 from toolkit.sampling_params import SamplingParams
 
 DRAWS = 20_000
@@ -176,6 +177,53 @@ def test_min_p_uses_the_temperature_scaled_distribution():
     probs = [1.0, 0.3, 0.5, 0.08]
     freqs = frequencies(logits_of(probs), SamplingParams(temperature=0.5, min_p=0.1))
     assert max_abs_diff(freqs, [1 / 1.25, 0.0, 0.25 / 1.25, 0.0]) < TOLERANCE
+
+
+def test_sample_rows_draws_a_token_for_exactly_the_uniforms_in_its_interval():
+    """Inverse transform on unnormalized weights: token t is drawn for u in [C(t-1), C(t)) / total.
+    Token 1 weighs 2^-31, below a float32 sum's spacing after the first token's 0.5 (2^-25): it must
+    still own its interval of the uniforms."""
+    tiny = 2.0 ** -31
+    weights = torch.tensor([[0.5, tiny, 0.5, 0.0]])  # exact in float32
+    total = 1.0 + tiny
+    start, end = 0.5 / total, (0.5 + tiny) / total  # token 1's interval
+
+    def drawn(u):
+        return sample_rows(weights, torch.tensor([[u]], dtype=torch.float64)).item()
+    assert [drawn(u) for u in (0.0, start - 1e-12)] == [0, 0]
+    assert drawn((start + end) / 2) == 1
+    assert [drawn(u) for u in (end + 1e-12, 0.9)] == [2, 2]
+    # The last token weighs 0: not even the largest uniform below 1 reaches it.
+    assert drawn(math.nextafter(1.0, 0.0)) == 2
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
+def test_sample_rows_is_the_inverse_of_the_whole_rows_cumulative_sum(vocab):
+    """The two-level search (blocks, then a token inside one) against numpy's float64 cumulative sum
+    over the whole row, on rows with zeros, rare tokens and a vocabulary that is not a whole number of
+    blocks."""
+    generator = torch.Generator().manual_seed(vocab)
+    weights = torch.rand(8, vocab, generator=generator) ** 8  # most tokens rare, a few common
+    weights[:, ::3] = 0
+    weights[1, : vocab // 2] = 0  # the weight sits in the row's second half
+    weights[2] = 0
+    weights[2, -1] = 1.0  # the last token alone
+    u = torch.rand(8, 500, dtype=torch.float64, generator=generator)
+    drawn = sample_rows(weights.repeat_interleave(500, 0), u.reshape(-1, 1)).view(8, 500)
+    for row in range(8):
+        cdf = np.cumsum(weights[row].double().numpy())
+        expected = np.searchsorted(cdf, u[row].numpy() * cdf[-1], side="right")
+        assert drawn[row].tolist() == expected.tolist()
+    assert (weights.gather(1, drawn) > 0).all()
+
+
+def test_sample_rows_matches_each_rows_weights():
+    weights = torch.tensor([[2.0, 6.0, 0.0, 2.0], [0.0, 0.0, 5.0, 0.0]]).repeat(DRAWS, 1)
+    u = torch.rand(2 * DRAWS, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tokens = sample_rows(weights, u).view(DRAWS, 2)
+    first = torch.bincount(tokens[:, 0], minlength=4).double() / DRAWS
+    assert max_abs_diff(first, [0.2, 0.6, 0.0, 0.2]) < TOLERANCE
+    assert (tokens[:, 1] == 2).all()
 
 
 def test_tokens_the_model_masked_are_never_sampled():

@@ -95,15 +95,14 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
                 positions: list[int]) -> torch.Tensor:
         greedy = [p.is_greedy for p in params]
-        greedy_tokens = argmax_rows(logits)
         if all(greedy):
-            return greedy_tokens
+            return argmax_rows(logits)
         probs = self._filtered(logits, params).softmax(dim=-1)
         random_tokens = sample_rows(probs, self.random_rows(request_ids, params, positions, STREAM_SAMPLE, probs.device))
         if not any(greedy):
             return random_tokens
         is_greedy = torch.tensor(greedy, device=logits.device)
-        return torch.where(is_greedy, greedy_tokens, random_tokens)
+        return torch.where(is_greedy, argmax_rows(logits), random_tokens)
 
     def random_rows(self, request_ids: list[str], params: list[SamplingParams], positions: list[int], stream: int,
                     device: torch.device) -> torch.Tensor:

@@ -170,9 +170,10 @@ def sample_rows(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     sums, then the token inside it."""
     rows, vocab = weights.shape
     whole = vocab // SAMPLE_BLOCK * SAMPLE_BLOCK
-    sums = [weights[:, :whole].view(rows, -1, SAMPLE_BLOCK).sum(-1, dtype=torch.float64)] if whole else []
+    # Widened first, then summed: torch's float64 sum of float32 input takes a slower, unvectorized path.
+    sums = [weights[:, :whole].view(rows, -1, SAMPLE_BLOCK).double().sum(-1)] if whole else []
     if whole < vocab:
-        sums.append(weights[:, whole:].sum(-1, keepdim=True, dtype=torch.float64))
+        sums.append(weights[:, whole:].double().sum(-1, keepdim=True))
     block_cdf = torch.cat(sums, dim=1).cumsum(dim=1)
     # u < 1, so the target stays below the total: the first block whose cumulative sum exceeds it
     # holds weight. (The clamp keeps a row of no weight at all, or of NaN, in range.)

@@ -66,6 +66,9 @@ NumOpt = Annotated[int, typer.Option("--num-requests", min=1, help="Requests in 
 InOpt = Annotated[tuple[int, int], typer.Option("--input-len", help="Prompt length range MIN MAX (uniform).")]
 OutOpt = Annotated[tuple[int, int], typer.Option("--output-len", help="Output length range MIN MAX (uniform).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Workload seed: the same seed gives the same requests.")]
+TemperatureOpt = Annotated[float, typer.Option(
+    "--temperature", min=0.0, help="0: greedy (every system's tokens comparable). Above 0: every request samples at "
+    "this temperature, without top-k/top-p, in every system (the sampler's cost counted; tokens not compared).")]
 DatasetOpt = Annotated[Optional[Path], typer.Option(
     "--dataset", dir_okay=False, exists=True,
     help="JSONL workload instead of random prompts: 'prompt' or 'prompt_token_ids', and 'max_tokens', per line.")]
@@ -127,6 +130,7 @@ def throughput(
     output_len: OutOpt = (32, 256),
     seed: SeedOpt = 0,
     dataset: DatasetOpt = None,
+    temperature: TemperatureOpt = 0.0,
     dtype: DtypeOpt = "auto",
     eager: EagerOpt = False,
     both: BothOpt = False,
@@ -170,6 +174,7 @@ def latency(
     output_len: OutOpt = (32, 256),
     seed: SeedOpt = 0,
     dataset: DatasetOpt = None,
+    temperature: TemperatureOpt = 0.0,
     concurrency: Annotated[int, typer.Option(
         "--concurrency", "-c", min=1, help="Requests in flight: a new one is added when one finishes.")] = 8,
     dtype: DtypeOpt = "auto",
@@ -226,6 +231,7 @@ def _run(command: str, o: dict) -> None:
         _fail("--peer vllm needs --peer-python PATH (the python of an environment with vLLM installed)")
     if o["input_len"][0] > o["input_len"][1] or o["output_len"][0] > o["output_len"][1] or min(*o["input_len"], *o["output_len"]) < 1:
         _fail("--input-len and --output-len take MIN MAX with 1 <= MIN <= MAX")
+    greedy = o["temperature"] == 0  # sampled runs' tokens differ run to run: they are not compared
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     variants = _variants(o["variant"])
@@ -326,7 +332,8 @@ def _run(command: str, o: dict) -> None:
                     system = PipelineSystem(label, model_path, dict(
                         load_format=load_format, dtype=dtype_name, eager=mode == "eager", max_model_len=max_model_len,
                         kv_cache_memory_bytes=kv_bytes, max_num_seqs=o["max_num_seqs"],
-                        max_num_batched_tokens=o["max_num_batched_tokens"]), engine_args, _threads_per_rank(o, engine_args))
+                        max_num_batched_tokens=o["max_num_batched_tokens"], temperature=o["temperature"]), engine_args,
+                        _threads_per_rank(o, engine_args))
                     raw = system.throughput(requests, warm, phase)
                     res = results[label] = {"kind": "ours", "startup": raw["startup"], "throughput": raw["throughput"]}
                     res["pipeline"] = {"stages": raw["stages"], "threads_per_rank": system.spec["threads"],
@@ -334,7 +341,7 @@ def _run(command: str, o: dict) -> None:
                                                                     raw["throughput"]["output_tokens"],
                                                                     head_layers=pipeline_head_layers(mc))}
                     plain_label, plain_tokens = plain_runs[mode]
-                    res["tokens_identical_to_plain"] = raw["tokens"] == plain_tokens.get("throughput")
+                    res["tokens_identical_to_plain"] = raw["tokens"] == plain_tokens.get("throughput") if greedy else None
                     pairs.append((label, plain_label))
                     _say(bar, label, res, partial, results)
                     ours_labels.append(label)
@@ -342,7 +349,7 @@ def _run(command: str, o: dict) -> None:
                 system = OursSystem(model_path, load_format=load_format, dtype=dtype_name, eager=mode == "eager",
                                     max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes,
                                     max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
-                                    speculative_config=variant, engine_args=engine_args)
+                                    speculative_config=variant, engine_args=engine_args, temperature=o["temperature"])
                 res = {"kind": "ours", "startup": startup(system.label, lambda: system.start(warm))}
                 if (engine_args or {}).get("quantization") == "int8":
                     res["weight_bytes"] = 1  # what a decode step reads per weight
@@ -353,7 +360,7 @@ def _run(command: str, o: dict) -> None:
                         res["decode_timing"], res["decode_bandwidth"] = _beside(probe, lambda: system.decode(decode_req, phase))
                 if variant is not None or engine_args is not None:
                     plain_label, plain_tokens = plain_runs[mode]
-                    res["tokens_identical_to_plain"] = system.tokens == plain_tokens
+                    res["tokens_identical_to_plain"] = system.tokens == plain_tokens if greedy else None
                     pairs.append((system.label, plain_label))
                 else:
                     plain_runs[mode] = (system.label, system.tokens)
@@ -368,7 +375,8 @@ def _run(command: str, o: dict) -> None:
                 del system
                 gc.collect()
             if "hf" in peers:
-                system = HFSystem(model_path, dtype=dtype, batch_size=o.get("hf_batch_size") or 16)
+                system = HFSystem(model_path, dtype=dtype, batch_size=o.get("hf_batch_size") or 16,
+                                  temperature=o["temperature"])
                 res = {"kind": "peer", "startup": startup(system.label, lambda: system.start(warm))}
                 _run_mode(command, system, requests, concurrency, phase, res)
                 if decode_req:
@@ -382,7 +390,8 @@ def _run(command: str, o: dict) -> None:
                 system = VLLMSystem(model_path, python=python_of(o["peer_python"]), dtype=dtype_name,
                                     eager=o["vllm_eager"], max_model_len=max_model_len,
                                     max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
-                                    speculative_config=_vllm_spec(spec), enable_prefix_caching=o["vllm_prefix_caching"])
+                                    speculative_config=_vllm_spec(spec), enable_prefix_caching=o["vllm_prefix_caching"],
+                                    temperature=o["temperature"])
                 raw = system.run(mode=command, requests=requests, warm=warm, concurrency=concurrency,
                                  decode=decode_req, phase=phase, probe=probe)
                 res = {"kind": "peer", "startup": raw["startup"], "version": raw.get("version")}
@@ -448,7 +457,8 @@ def _run(command: str, o: dict) -> None:
         "source": str(o["dataset"]) if o["dataset"] else o["workload"], "seed": o["seed"],
         "prefix_repetition": list(o["prefix_repetition"]) if o["workload"] == "prefix-repetition" else None,
         "multi_turn": list(o["multi_turn"]) if o["workload"] == "multi-turn" else None,
-        "input_len_range": list(o["input_len"]), "output_len_range": list(o["output_len"]), "greedy": True, "ignore_eos": True}
+        "input_len_range": list(o["input_len"]), "output_len_range": list(o["output_len"]), "greedy": greedy,
+        "temperature": o["temperature"], "ignore_eos": True}
     settings = {"max_model_len": max_model_len, "kv_cache_bytes_ours": kv_bytes, "max_num_seqs": o["max_num_seqs"],
                 "max_num_batched_tokens": o["max_num_batched_tokens"], "hf_batch_size": o.get("hf_batch_size"),
                 "concurrency": concurrency or None, "decode_tokens": o["decode_tokens"], "vllm_eager": o["vllm_eager"],
@@ -468,8 +478,9 @@ def _run(command: str, o: dict) -> None:
                f"output tokens" + (f"; concurrency {concurrency}" if command == "latency" else "")
                + ". Ratios are ours / peer."
                + (" Ours: two timed runs, before and after the peers, as one." if bracket else "")
+               + (f" Sampled at temperature {o['temperature']:g}." if not greedy else "")
                + "".join(f" {a}: tokens {'identical to' if results[a]['tokens_identical_to_plain'] else 'DIFFERENT from'} "
-                         f"{b}'s." for a, b in pairs))
+                         f"{b}'s." for a, b in pairs if greedy))
     title = f"toolkit bench {command}"
     out = Console()
     if not out.is_terminal:

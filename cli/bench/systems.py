@@ -55,8 +55,9 @@ class OursSystem:
 
     def __init__(self, model: Path, *, load_format: str, dtype: str, eager: bool, max_model_len: int,
                  kv_cache_memory_bytes: int | None, max_num_seqs: int, max_num_batched_tokens: int,
-                 speculative_config=None, engine_args: dict | None = None):
-        """`engine_args`: more EngineConfig fields (a --variant), named in the label."""
+                 speculative_config=None, engine_args: dict | None = None, temperature: float = 0.0):
+        """`engine_args`: more EngineConfig fields (a --variant), named in the label. `temperature`: 0
+        is greedy; above, every request samples at it (unseeded)."""
         # A variant's fields win over the bench's own (e.g. its max_num_batched_tokens).
         self.kwargs = {**dict(dtype=dtype, enforce_eager=eager, skip_tokenizer_init=True, load_format=load_format,
                               seed=0, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -66,6 +67,7 @@ class OursSystem:
         self.eager = eager
         self.spec = speculative_config
         self.engine_args = dict(engine_args or {})
+        self.temperature = temperature
         self.llm = None
         self._ids = 0
         self.tokens: dict[str, list[list[int]]] = {}  # per run ("throughput", "latency", "decode"): outputs in order
@@ -126,7 +128,7 @@ class OursSystem:
     def _params(self, r: BenchRequest):
         from toolkit import SamplingParams
 
-        return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        return SamplingParams(temperature=self.temperature, max_tokens=r.output_len, ignore_eos=True)
 
     def _add(self, requests: list[BenchRequest]) -> dict[str, BenchRequest]:
         added = {}
@@ -254,7 +256,8 @@ class _StepClock:
 
 
 class HFSystem:
-    """transformers `generate`: static batches sorted by length, left padding, greedy, no EOS stop.
+    """transformers `generate`: static batches sorted by length, left padding, greedy (or sampled at the
+    bench's temperature), no EOS stop.
 
     Every request of a batch runs to the batch's longest output (min_new_tokens = max_new_tokens =
     that length); only each request's own output_len tokens are counted as output, the rest is the
@@ -264,10 +267,11 @@ class HFSystem:
     name = "hf"
     label = "transformers"
 
-    def __init__(self, model: Path, *, dtype: torch.dtype, batch_size: int):
+    def __init__(self, model: Path, *, dtype: torch.dtype, batch_size: int, temperature: float = 0.0):
         self.path = model
         self.dtype = dtype
         self.batch_size = batch_size
+        self.temperature = temperature
         self.model = None
 
     def start(self, warm: BenchRequest) -> dict:
@@ -290,9 +294,12 @@ class HFSystem:
         for i, r in enumerate(batch):  # left padding: every prompt ends at the last column
             ids[i, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
             mask[i, width - r.prompt_len:] = 1
+        # Sampled: plain temperature sampling, generation_config's top-k/top-p defaults switched off.
+        sampling = dict(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0) if self.temperature > 0 \
+            else dict(do_sample=False)
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      do_sample=False, pad_token_id=self.pad_id, streamer=streamer)
+                                      pad_token_id=self.pad_id, streamer=streamer, **sampling)
         if out.shape[1] - width != new_tokens:
             raise BenchError(f"transformers generated {out.shape[1] - width} tokens, expected {new_tokens}")
         return out
@@ -364,12 +371,13 @@ class VLLMSystem:
 
     def __init__(self, model: Path, *, python: Path, dtype: str, eager: bool, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, speculative_config: dict | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, temperature: float = 0.0):
         self.python = Path(python)
         # Absolute: the worker runs in a temporary directory.
         self.config = dict(model=str(Path(model).resolve()), dtype=dtype, enforce_eager=eager, max_model_len=max_model_len,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           speculative_config=speculative_config, enable_prefix_caching=enable_prefix_caching)
+                           speculative_config=speculative_config, enable_prefix_caching=enable_prefix_caching,
+                           temperature=temperature)
 
     def run(self, *, mode: str, requests: list[BenchRequest], warm: BenchRequest, concurrency: int,
             decode: BenchRequest | None, phase: Phase, timeout_s: float | None = None,

@@ -37,7 +37,8 @@ def main(spec_path: str) -> None:
     from vllm.sampling_params import RequestOutputKind
 
     def params(output_len: int, kind=None) -> SamplingParams:
-        sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+        sp = SamplingParams(temperature=spec.get("temperature", 0.0), max_tokens=output_len, ignore_eos=True,
+                            detokenize=False)
         if kind is not None:
             sp.output_kind = kind
         return sp

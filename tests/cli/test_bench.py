@@ -749,3 +749,21 @@ def test_disagg_bench_runs_colocated_and_disaggregated_on_two_ranks_with_the_sam
     bad = bench("latency", "--model", tiny, "--variant", '{"prefill_instances": 1, "decode_instances": 1}', *QUICK)
     assert bad.exit_code == 2 and "toolkit bench disagg" in bad.output
     assert bench("disagg", "--model", tiny, "--layout", "1-1").exit_code == 2
+
+
+def test_sampled_runs_count_every_token_and_compare_none(tiny, tmp_path):
+    """--temperature: every system samples (ours plain and speculative, transformers), each is credited
+    with exactly the requested tokens, and no run claims its tokens equal another's."""
+    report = tmp_path / "sampled.json"
+    spec = json.dumps({"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 2})
+    result = bench("throughput", "--model", tiny, "--num-requests", 3, "--input-len", 4, 9, "--output-len", 5, 7,
+                   "--temperature", 0.8, "--speculative-config", spec, "--peer", "hf", "--hf-batch-size", 2,
+                   "--decode-tokens", 4, "--json", report, *QUICK)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(report.read_text())
+    assert doc["workload"]["temperature"] == 0.8 and doc["workload"]["greedy"] is False
+    assert "Sampled at temperature 0.8" in result.output and "tokens identical" not in result.output
+    want_out = sum(r.output_len for r in random_workload(3, (4, 9), (5, 7), VOCAB, seed=0))
+    for label in ("toolkit (eager)", "toolkit (eager, draft_model k=2)", "transformers"):
+        assert doc["systems"][label]["throughput"]["output_tokens"] == want_out
+    assert doc["systems"]["toolkit (eager, draft_model k=2)"]["tokens_identical_to_plain"] is None

@@ -171,7 +171,7 @@ def sample_rows(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     rows, vocab = weights.shape
     whole = vocab // SAMPLE_BLOCK * SAMPLE_BLOCK
     # Widened first, then summed: torch's float64 sum of float32 input takes a slower, unvectorized path.
-    sums = [weights[:, :whole].view(rows, -1, SAMPLE_BLOCK).double().sum(-1)] if whole else []
+    sums = [weights[:, :whole].reshape(rows, -1, SAMPLE_BLOCK).double().sum(-1)] if whole else []
     if whole < vocab:
         sums.append(weights[:, whole:].double().sum(-1, keepdim=True))
     block_cdf = torch.cat(sums, dim=1).cumsum(dim=1)

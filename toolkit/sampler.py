@@ -169,23 +169,19 @@ def sample_rows(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     several times slower than summing it: find the block of SAMPLE_BLOCK tokens from the blocks'
     sums, then the token inside it."""
     rows, vocab = weights.shape
-    whole = vocab // SAMPLE_BLOCK * SAMPLE_BLOCK
-    # Widened first, then summed: torch's float64 sum of float32 input takes a slower, unvectorized path.
-    sums = [weights[:, :whole].reshape(rows, -1, SAMPLE_BLOCK).double().sum(-1)] if whole else []
-    if whole < vocab:
-        sums.append(weights[:, whole:].double().sum(-1, keepdim=True))
-    block_cdf = torch.cat(sums, dim=1).cumsum(dim=1)
+    # One float64 copy, padded with zero weights to whole blocks: the blocks' sums and the chosen
+    # block's running sum both read it.
+    wide = weights.new_zeros(rows, -(-vocab // SAMPLE_BLOCK) * SAMPLE_BLOCK, dtype=torch.float64)
+    wide[:, :vocab] = weights
+    block_cdf = wide.view(rows, -1, SAMPLE_BLOCK).sum(-1).cumsum(dim=1)
     # u < 1, so the target stays below the total: the first block whose cumulative sum exceeds it
-    # holds weight. (The clamp keeps a row of no weight at all, or of NaN, in range.)
+    # holds weight. (The clamps keep a row of no weight at all, or of NaN, in range.)
     target = u * block_cdf[:, -1:]
     block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), 0.0)
-    columns = block * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=weights.device)
-    inside = weights.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(columns >= vocab, 0)
-    cdf = inside.cumsum(dim=1, dtype=torch.float64)
+    cdf = wide.gather(1, block * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=weights.device)).cumsum(dim=1)
     # The block's own running sum may round apart from its sum above: keep the rest inside its weight.
-    zero = torch.zeros_like(target)
-    rest = torch.minimum((target - before).clamp_(min=0), torch.nextafter(cdf[:, -1:], zero))
+    rest = torch.minimum((target - before).clamp_(min=0), torch.nextafter(cdf[:, -1:], torch.zeros_like(target)))
     token = torch.searchsorted(cdf, rest, right=True).clamp_(max=SAMPLE_BLOCK - 1)
     return (block * SAMPLE_BLOCK + token).squeeze(1).clamp_(max=vocab - 1)
 

@@ -24,7 +24,7 @@ from toolkit.cli.bench.model import shape_config_only
 from toolkit.cli.bench.pipeline import bubble_model
 from toolkit.cli.bench.report import HIGHER, LOWER, build_rows, render_table, report_json
 from toolkit.cli.bench.roofline import bandwidth_fraction, best_of_probes, compute_peak, decode_bytes_per_token, layer_linear_params, request_flops, shared_prefix_lens
-from toolkit.cli.bench.systems import BenchError, VLLMSystem, python_of
+from toolkit.cli.bench.systems import BenchError, HFSystem, OursSystem, VLLMSystem, no_progress, python_of
 from toolkit.cli.bench.workload import (
     BenchRequest,
     hf_batches,
@@ -767,3 +767,39 @@ def test_sampled_runs_count_every_token_and_compare_none(tiny, tmp_path):
     for label in ("toolkit (eager)", "toolkit (eager, draft_model k=2)", "transformers"):
         assert doc["systems"][label]["throughput"]["output_tokens"] == want_out
     assert doc["systems"]["toolkit (eager, draft_model k=2)"]["tokens_identical_to_plain"] is None
+
+
+def test_each_system_samples_at_the_bench_temperature(tiny, tmp_path, monkeypatch):
+    """At a high temperature the random model's tokens leave the greedy path in ours and in transformers,
+    and the vLLM worker is asked for that temperature; at 0 both of ours runs stay greedy."""
+    requests = random_workload(3, (4, 9), (8, 8), VOCAB, seed=3)
+
+    def ours(temperature):
+        system = OursSystem(tiny, load_format="safetensors", dtype="float32", eager=True, max_model_len=64,
+                            kv_cache_memory_bytes=None, max_num_seqs=8, max_num_batched_tokens=64,
+                            temperature=temperature)
+        system.start(requests[0])
+        system.throughput(requests, no_progress)
+        return system.tokens["throughput"]
+
+    greedy = ours(0.0)
+    assert ours(0.0) == greedy and ours(5.0) != greedy
+
+    def hf(temperature):
+        system = HFSystem(tiny, dtype=torch.float32, batch_size=3, temperature=temperature)
+        system.start(requests[0])
+        torch.manual_seed(0)
+        return system._generate(requests, 8).tolist()
+
+    assert hf(5.0) != hf(0.0)
+
+    body = ("import json, sys\n"
+            "spec = json.load(open(sys.argv[1]))\n"
+            "assert spec['temperature'] == 5.0, spec['temperature']\n"
+            "print(json.dumps({'event': 'result', 'result': {'version': 'x', 'startup': {'total_s': 1.0},"
+            " 'throughput': {}}}))\n")
+    monkeypatch.setattr("toolkit.cli.bench.systems.WORKER", fake_worker(tmp_path, body))
+    system = VLLMSystem(tiny, python=Path(sys.executable), dtype="float32", eager=False, max_model_len=64,
+                        max_num_seqs=8, max_num_batched_tokens=64, temperature=5.0)
+    system.run(mode="throughput", requests=requests, warm=requests[0], concurrency=0, decode=None,
+               phase=lambda name, total: (lambda n=1: None))

@@ -562,9 +562,11 @@ def require_tokenizer(path: Path, engine_args: dict, what: str) -> None:
 def with_workload(engine_args: dict, model: Path | None, jobs) -> dict:
     """The engine's arguments with the run's longest request as max_request_tokens (cli/workload.py):
     its KV cache is sized for what this run's lines ask for, not for max_model_len requests."""
+    from toolkit.backends import start_early
     from toolkit.cli.workload import longest_request
     from toolkit.tokenizer import load_tokenizer
 
+    start_early(engine_args.get("device"))  # a first run's kernel builds overlap the tokenizer's
     try:
         tokenizer = load_tokenizer(engine_args.get("tokenizer") or resolve_model(model, lambda message: None))
     except (OSError, ValueError):  # load_engine says what is wrong with the model folder

@@ -66,6 +66,19 @@ def runnable(config):
     return dataclasses.replace(config, enforce_eager=True)
 
 
+def start_early(device=None) -> None:
+    """What a backend can start before any model is read, for a caller with other start-up work first
+    (the CLI loads its tokenizer): on CPU, building the kernels every model uses, in compiler
+    subprocesses. `device` as EngineConfig takes it (None: cuda when available, else cpu)."""
+    from toolkit import envs
+
+    on_cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
+    if on_cpu and envs.cpu_kernels():
+        from toolkit.backends.cpu import kernels
+
+        kernels.start_build(("linear", "attention"))
+
+
 def for_device(config, model_config) -> Backend:
     """The backend for `config.device` (a resolved EngineConfig), serving `model_config`'s model.
     Raises, before any weight is read, where it cannot serve the model as configured."""

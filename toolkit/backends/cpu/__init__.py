@@ -1,8 +1,8 @@
 """The CPU backend: C++ kernels as torch ops, the linears' layouts chosen by the machine, and a
 compiled step with no Python between its kernels.
 
-- Kernels (`kernels.py`, `csrc/`): the linear and paged attention, built at engine start (both at
-  once, cached) and registered in torch's dispatcher through its stable C ABI. Where one cannot be
+- Kernels (`kernels.py`, `csrc/`): the linear and paged attention (and the experts' for an MoE model),
+  built at engine start (at once, cached) and registered in torch's dispatcher through its stable C ABI. Where one cannot be
   built, a warning names its source and torch's own ops serve instead.
 - Attention: the kernel serves every step kind (prefill chunks, decodes, mixed) and is registered
   with `attention` as the "cpu" backend, the default wherever it is built and the shapes fit. Long
@@ -27,6 +27,7 @@ from toolkit.backends.cpu import attention_plan, kernels, vec_isa_probes
 from toolkit.backends.cpu.experts import pack_experts
 from toolkit.backends.cpu.linear import (LinearPlan, layer_shapes, onednn_native, pack_int8_linears, pack_linears,
                                          plan_for)
+from toolkit.parallel.expert_parallel import num_experts
 
 log = logging.getLogger("toolkit")
 
@@ -36,8 +37,10 @@ class CPUBackend(Backend):
 
     def __init__(self, config, model_config):
         super().__init__(config, model_config)
+        # The experts' kernel only for a model with experts: a dense model's cold start does not build it.
+        self._kernels = tuple(name for name in kernels.SOURCES if name != "experts" or num_experts(model_config))
         if config.cpu_kernels:
-            kernels.start_build()  # overlaps the weights' loading; waited for by the first question below
+            kernels.start_build(self._kernels)  # overlaps the weights' loading; waited for by the first question below
         self._unavailable: dict[str, str] | None = None if config.cpu_kernels else {
             name: "cpu_kernels=False" for name in kernels.SOURCES}
         self._attention: str | None = None
@@ -56,7 +59,7 @@ class CPUBackend(Backend):
     def unavailable(self) -> dict[str, str]:
         """{kernel: why this engine does not use it}; waits for the build the first time."""
         if self._unavailable is None:
-            self._unavailable = kernels.load()
+            self._unavailable = kernels.load(self._kernels)
             if self.has_kernel("attention"):
                 register_attention()
             dtype = self.config.dtype

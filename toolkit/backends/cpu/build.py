@@ -3,7 +3,7 @@
 Each kernel registers its ops through torch's stable C ABI (`torch/csrc/stable`), which needs no C++
 torch API: a kernel compiles in a few seconds with the compiler torch.compile already needs (`$CXX`,
 else `c++`), and a compiled graph calls its ops through the dispatcher, from C++. The engine builds
-them all at once when it starts (`build_all`), one compiler process each.
+the ones its model needs at once when it starts (kernels.start_build), one compiler process each.
 
 A library is cached under `$TOOLKIT_CACHE/kernels`, keyed by the source and the local headers it
 includes, the flags, the compiler, torch's version and this CPU's feature flags (it is built with
@@ -103,15 +103,17 @@ def build(source: Path, compiler: str | None = None) -> Path:
     return target
 
 
+def build_or_error(source: Path) -> Path | BuildError:
+    """`build(source)`, or the error that stopped it."""
+    try:
+        return build(source)
+    except (BuildError, OSError) as err:
+        return err if isinstance(err, BuildError) else BuildError(f"building {source} failed: {err}")
+
+
 def build_all(sources: list[Path]) -> dict[Path, Path | BuildError]:
     """Build every source at once, one compiler process each, so a cold start waits for the slowest
     build instead of their sum. Returns each source's library or the error that stopped it."""
-    results: dict[Path, Path | BuildError] = {}
     with ThreadPoolExecutor(max(1, len(sources))) as pool:
-        futures = {source: pool.submit(build, source) for source in sources}
-        for source, future in futures.items():
-            try:
-                results[source] = future.result()
-            except (BuildError, OSError) as err:
-                results[source] = err if isinstance(err, BuildError) else BuildError(f"building {source} failed: {err}")
-    return results
+        futures = {source: pool.submit(build_or_error, source) for source in sources}
+        return {source: future.result() for source, future in futures.items()}

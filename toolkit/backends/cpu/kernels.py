@@ -36,38 +36,39 @@ SOURCES = {"linear": build.CSRC / "linear.cpp", "attention": build.CSRC / "atten
            "experts": build.CSRC / "experts.cpp"}
 _loaded: dict[str, Path] = {}
 _failed: dict[str, str] = {}
-_building: Future | None = None
+_building: dict[str, Future] = {}
+_pool: ThreadPoolExecutor | None = None
 
 
-def start_build() -> None:
-    """Start building every kernel not loaded yet, in the background (the compilers are subprocesses,
-    so the caller's own start-up work, such as reading weights, overlaps them). `load` waits."""
-    global _building
-    todo = [name for name in SOURCES if name not in _loaded and name not in _failed]
-    if todo and _building is None:
-        _building = ThreadPoolExecutor(1).submit(build.build_all, [SOURCES[name] for name in todo])
+def start_build(names=tuple(SOURCES)) -> None:
+    """Start building the kernels `names` not loaded or building yet, in the background: the compilers
+    are subprocesses, so the caller's own start-up work (reading the tokenizer and weights) overlaps
+    them. `load` waits."""
+    global _pool
+    for name in names:
+        if name not in _loaded and name not in _failed and name not in _building:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(len(SOURCES), thread_name_prefix="kernel-build")
+            _building[name] = _pool.submit(build.build_or_error, SOURCES[name])
 
 
-def load() -> dict[str, str]:
-    """Build (or wait for `start_build`) and load every kernel not loaded yet; returns {kernel: why it is
-    unavailable}. Each failure warns once, naming the source file; callers use torch's own ops instead."""
-    global _building
-    start_build()
-    if _building is not None:
-        results, _building = _building.result(), None
-        for name, source in SOURCES.items():
-            result = results.get(source)
-            if result is None or name in _loaded or name in _failed:
-                continue
-            if isinstance(result, Exception):
-                _failed[name] = str(result)
-                warnings.warn(f"the CPU {name} kernel ({source}) is unavailable, so torch's own ops run instead, "
-                              f"several times slower: {result}", RuntimeWarning, stacklevel=2)
-                continue
-            torch.ops.load_library(str(result))
-            _register_fakes(name)
-            _loaded[name] = result
-    return dict(_failed)
+def load(names=tuple(SOURCES)) -> dict[str, str]:
+    """Build (or wait for `start_build`) and load the kernels `names` not loaded yet; returns {kernel: why
+    it is unavailable}. Each failure warns once, naming the source file; callers use torch's own ops instead."""
+    start_build(names)
+    for name in names:
+        if name not in _building:
+            continue
+        result = _building.pop(name).result()
+        if isinstance(result, Exception):
+            _failed[name] = str(result)
+            warnings.warn(f"the CPU {name} kernel ({SOURCES[name]}) is unavailable, so torch's own ops run instead, "
+                          f"several times slower: {result}", RuntimeWarning, stacklevel=2)
+            continue
+        torch.ops.load_library(str(result))
+        _register_fakes(name)
+        _loaded[name] = result
+    return {name: why for name, why in _failed.items() if name in names}
 
 
 def library(name: str) -> Path | None:

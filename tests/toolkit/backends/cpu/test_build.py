@@ -54,6 +54,23 @@ def test_build_all_returns_each_result_and_keeps_going(tmp_path, monkeypatch):
     assert results[fine].exists()
 
 
+def test_kernels_build_once_each_and_load_waits_only_for_the_ones_asked(monkeypatch):
+    """start_build (the CLI's, then the engine's) starts each kernel once; load waits for and reports
+    only the kernels it is asked for."""
+    built = []
+    monkeypatch.setattr(build, "build_or_error",
+                        lambda source: built.append(source.stem) or build.BuildError(f"{source.name}: no compiler"))
+    for name in ("_loaded", "_failed", "_building"):
+        monkeypatch.setattr(kernels, name, {})
+    kernels.start_build(("linear", "attention"))
+    kernels.start_build(("linear",))
+    with pytest.warns(RuntimeWarning, match="linear.cpp"):
+        assert list(kernels.load(("linear",))) == ["linear"]
+    with pytest.warns(RuntimeWarning, match="attention.cpp"):
+        assert sorted(kernels.load(("linear", "attention"))) == ["attention", "linear"]
+    assert sorted(built) == ["attention", "linear"] and not kernels.available("linear")
+
+
 def test_an_engine_without_the_kernels_warns_naming_them_and_still_matches_transformers(tmp_path, monkeypatch):
     """No compiler: one warning per kernel naming its source, and torch's own ops serve the model."""
     from tests.checkpoints import hf_greedy, random_prompts, write_checkpoint
@@ -63,12 +80,14 @@ def test_an_engine_without_the_kernels_warns_naming_them_and_still_matches_trans
     prompts = random_prompts(3, seed=4)
     monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setattr(kernels, "_failed", {})
+    monkeypatch.setattr(kernels, "_building", {})
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
     with pytest.warns(RuntimeWarning) as caught:
         llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=96, skip_tokenizer_init=True)
     named = " ".join(str(w.message) for w in caught)
     assert "csrc/linear.cpp" in named and "csrc/attention.cpp" in named
+    assert "csrc/experts.cpp" not in named  # a dense model's engine does not build the experts' kernel
     stats = llm.engine.stats()
     assert stats["attention_backend"] == "torch" and stats["backend"]["packed_linears"] == 0
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10),

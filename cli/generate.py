@@ -166,7 +166,7 @@ def generate(
     max_num_batched_tokens: o.MaxBatchedTokensOpt = 2048,
     max_model_len: o.MaxModelLenOpt = None,
     kv_cache_memory: o.KVMemoryOpt = None,
-    eager: o.EagerOpt = False,
+    eager: o.EagerOpt = None,
     attention_backend: o.BackendOpt = None,
     cpu_linear: o.CpuLinearOpt = None,
     cpu_prefill_attention: o.CpuPrefillAttentionOpt = None,
@@ -329,7 +329,8 @@ def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict
     # A PROMPT's run never holds more sequences than it asks for: its KV cache is sized for those, not
     # for max_num_seqs of them (allocating and zeroing the rest took longer than a short answer).
     sequences = len(job.prompts or [None]) * base.n
-    engine_args = {**engine_args, "max_num_seqs": min(engine_args.get("max_num_seqs", sequences), sequences)}
+    engine_args = {**engine_args, "max_num_seqs": min(engine_args.get("max_num_seqs", sequences), sequences),
+                   "enforce_eager": engine_args.get("enforce_eager", runs_eagerly(sequences * base.max_tokens))}
     engine = load_engine(model, with_workload(engine_args, model, [job]), console, io.quiet, text_from="a text PROMPT")
 
     def print_text(record: dict) -> None:
@@ -343,6 +344,17 @@ def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict
     except LineFailed as e:
         raise CliError(str(e).removeprefix("line 1: "), code=EXIT_LINE_FAILED) from None
     return 0
+
+
+# A single PROMPT of at most this many new tokens (all its completions together) runs eagerly unless
+# --compiled: up to about here the compiled step's load (or, on a first run, its compile) costs more than
+# its faster steps save (docs/benchmarks.md measures both). Files and servers always compile.
+EAGER_PROMPT_TOKENS = 512
+
+
+def runs_eagerly(new_tokens: int) -> bool:
+    """A PROMPT run's `enforce_eager` where neither --eager nor --compiled was given."""
+    return new_tokens <= EAGER_PROMPT_TOKENS
 
 
 def prompt_job(io: IOArgs, model: Path | None, engine_args: dict, params: SamplingParams) -> Job:

@@ -91,8 +91,11 @@ KVMemoryOpt = Annotated[Optional[int], typer.Option(
     help="KV-cache memory, e.g. 2GiB, 512MiB or bytes. Default: 90% of free GPU memory; on CPU 30% of the "
          "available RAM shared by the run's processes on this host, and never more than --max-num-seqs requests of "
          "the longest request can use.")]
-EagerOpt = Annotated[bool, typer.Option(
-    "--eager", rich_help_panel=ENGINE, help="Run the model eagerly, without torch.compile (faster start, slower steps).")]
+EagerOpt = Annotated[Optional[bool], typer.Option(
+    "--eager/--compiled", rich_help_panel=ENGINE, show_default=False,
+    help="Run the model eagerly, without torch.compile (faster start, slower steps), or compiled. Default: "
+         "compiled, except a single PROMPT of at most 512 new tokens in all, which starts faster eagerly "
+         "than it would gain from the compiled step.")]
 BackendOpt = Annotated[Optional[AttentionBackend], typer.Option(
     rich_help_panel=ENGINE, show_default=False,
     help="Attention kernels. Default: triton on CUDA; on CPU the C++ kernels (cpu) where built, else torch.")]
@@ -210,7 +213,7 @@ ExpertParallelOpt = Annotated[bool, typer.Option(
 
 
 def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                  max_model_len: int | None, kv_cache_memory: int | None, eager: bool,
+                  max_model_len: int | None, kv_cache_memory: int | None, eager: bool | None,
                   attention_backend: AttentionBackend | None, device: str | None,
                   tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                   cpu_linear: CpuLinear | None = None, enable_expert_parallel: bool = False,
@@ -218,14 +221,17 @@ def engine_kwargs(*, dtype: str, block_size: int, max_num_seqs: int, max_num_bat
                   quantization: Quantization | None = None,
                   cpu_prefill_attention: CpuPrefillAttention | None = None) -> dict:
     """EngineConfig's fields from the engine options (`LLM(model, **engine_kwargs(...))` takes the same).
-    Options left unset are left out, so EngineConfig's own defaults (and the environment's) apply."""
+    Options left unset are left out, so EngineConfig's own defaults (and the environment's) apply:
+    `eager=None` leaves the choice to the command (`enforce_eager` absent: compiled)."""
     kwargs = dict(
         dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        kv_cache_memory_bytes=kv_cache_memory, enforce_eager=eager,
+        kv_cache_memory_bytes=kv_cache_memory,
         attention_backend=attention_backend.value if attention_backend else None, device=device,
         tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
     )
+    if eager is not None:
+        kwargs["enforce_eager"] = eager
     if cpu_linear is not None:
         kwargs["cpu_linear"] = cpu_linear.value
     if cpu_prefill_attention is not None:

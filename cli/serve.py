@@ -56,7 +56,7 @@ def serve(
     max_num_batched_tokens: o.MaxBatchedTokensOpt = 2048,
     max_model_len: o.MaxModelLenOpt = None,
     kv_cache_memory: o.KVMemoryOpt = None,
-    eager: o.EagerOpt = False,
+    eager: o.EagerOpt = None,
     attention_backend: o.BackendOpt = None,
     cpu_linear: o.CpuLinearOpt = None,
     cpu_prefill_attention: o.CpuPrefillAttentionOpt = None,

@@ -82,7 +82,6 @@ class ParallelDims:
         dropped, with a warning, for a model without routed experts) and the layers per stage."""
         from toolkit.parallel.expert_parallel import check_expert_parallel, num_experts
         from toolkit.parallel.pipeline import head_layers, layer_partition
-        from toolkit.parallel.tensor_parallel import check_tensor_parallel
 
         dims = self
         if dims.expert_parallel and num_experts(model_config) is None:
@@ -94,6 +93,8 @@ class ParallelDims:
         if dims.world_size == 1 and world_size == 1:
             return dims, stage_sizes
         dims.check_world(world_size)
+        from toolkit.parallel.tensor_parallel import check_tensor_parallel  # DTensor: imported where it is used
+
         if dims.expert_parallel:
             check_expert_parallel(model_config, dims.ep)
         check_tensor_parallel(model_config, dims.tp, expert_parallel=dims.expert_parallel)

@@ -88,9 +88,28 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 def build_model(config: ModelConfig, max_positions: int) -> nn.Module:
     """The model with parameters on the meta device (buffers such as RoPE tables are real)."""
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), _no_random_init():
         model = MODEL_CLASSES[config.architecture](config, max_positions)
     return model
+
+
+RANDOM_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_normal_", "kaiming_uniform_", "xavier_normal_",
+                "xavier_uniform_")
+
+
+@contextmanager
+def _no_random_init():
+    """Modules' random initialization skipped while the model is built: every weight comes from the
+    checkpoint. Not only wasted work: on a meta tensor `normal_` (nn.Embedding's) runs through torch's
+    Python references, which import Dynamo: an import that an eager run otherwise never pays."""
+    saved = {name: getattr(nn.init, name) for name in RANDOM_INITS}
+    for name in RANDOM_INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def load_weights(

@@ -7,6 +7,7 @@ record; an uninterrupted run for resumed ones; the safetensors tensors themselve
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -321,14 +322,21 @@ def test_single_prompt_separates_n_completions_and_prints_logprobs(ckpt, llm):
         assert all(str(t["token_id"]) in json.dumps(t["logprobs"]) for t in mine)  # the sampled token is listed
 
 
-def test_the_default_model_answers_the_capital_question_as_make_run_asks_it():
-    """`make run` on a fresh install: the default model (SmolLM2-135M-Instruct), compiled, the chat template applied."""
+def test_the_default_model_answers_the_capital_question_as_make_run_asks_it(caplog):
+    """`make run` on a fresh install: the default model (SmolLM2-135M-Instruct), the chat template applied;
+    a short answer to one PROMPT runs eagerly by default, and the same question compiled (--compiled)
+    answers too."""
     if demo_model.default_model_file() is None:
         pytest.fail(f"the default model is not installed ({demo_model.INSTALL_DEFAULT}; make setup installs it)")
-    result = toolkit("generate", "What is the capital of France?")
-    assert result.exit_code == 0, result.output
-    assert "Paris" in result.stdout, result.output
-    assert result.stderr.count("using the default model, SmolLM2-135M-Instruct") == 1
+    for flags, compiled in (([], False), (["--compiled"], True)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="toolkit"):
+            result = toolkit("generate", "What is the capital of France?", *flags)
+        assert result.exit_code == 0, result.output
+        assert "Paris" in result.stdout, result.output
+        assert result.stderr.count("using the default model, SmolLM2-135M-Instruct") == 1
+        (changes,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model changes:")]
+        assert ("compiled (inductor" in changes) == compiled, changes
 
 
 def help_commands():
@@ -363,6 +371,22 @@ def test_short_flags_mean_one_thing_everywhere():
     assert meaning["-n"] == {"n"}  # completions per prompt, vLLM's n; bench spells out --num-requests
     assert meaning["-v"] == {"verbose"} and meaning["-m"] == {"model"}
     assert all(len(names) == 1 for names in meaning.values()), meaning
+
+
+def test_a_short_prompt_runs_eagerly_without_importing_the_compiler_or_dtensor():
+    """`make run`'s start-up: one short PROMPT to the default model runs eagerly, and pays for none of
+    Dynamo's, Inductor's or DTensor's imports (in a fresh process: this test session has imported them all)."""
+    script = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from toolkit.cli.main import app\n"
+        "r = CliRunner().invoke(app, ['generate', 'What is the capital of France?', '--max-tokens', '8'])\n"
+        "assert r.exit_code == 0 and 'Paris' in r.stdout, r.output\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'torch.distributed.tensor') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
 
 
 def test_verbose_may_come_after_the_command(ckpt, tmp_path):

@@ -51,5 +51,38 @@ app.command(cls=GroupedHelpCommand)(info)
 app.add_typer(bench_app, name="bench")
 
 
+def run() -> None:
+    """The `toolkit` command: the app, then an exit that skips the interpreter's teardown.
+
+    Tearing down torch's modules and their C++ state at exit takes a good part of a short answer's
+    whole run (docs/benchmarks.md). What exiting must do still happens first: the atexit handlers
+    (logging's flush among them) and the flush of stdout and stderr. Where another thread still works
+    (a server's, a kernel build after an early error), the exit is the ordinary one, which waits for it.
+    """
+    import atexit
+    import os
+    import sys
+    import threading
+
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if not isinstance(code, int):  # None: success; a message: printed, status 1 (as sys.exit does)
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`): what Python's own exit would ignore too
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    app()
+    run()

@@ -691,6 +691,30 @@ def test_version():
     assert result.exit_code == 0 and result.stdout.startswith("toolkit ")
 
 
+def test_the_command_exits_with_the_apps_status_its_output_flushed_and_waits_for_working_threads(tmp_path):
+    """`toolkit` (cli.main.run) skips the interpreter's teardown: the exit status, what was printed and the
+    atexit handlers are still the app's; a non-daemon thread still working is waited for, as Python would."""
+    marker = tmp_path / "thread-finished"
+    script = (
+        "import atexit, sys, threading, time\n"
+        "from toolkit.cli.main import run\n"
+        "atexit.register(lambda: print('atexit ran', file=sys.stderr))\n"
+        "if sys.argv[1] == 'thread':\n"
+        f"    threading.Thread(target=lambda: (time.sleep(1), open({str(marker)!r}, 'w').close())).start()\n"
+        "sys.argv = ['toolkit'] + sys.argv[2:]\n"
+        "run()\n"
+    )
+    def command(*args):
+        return subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+
+    version = command("-", "--version")
+    assert version.returncode == 0 and version.stdout.startswith("toolkit ") and "atexit ran" in version.stderr
+    usage = command("-", "generate")
+    assert usage.returncode == 2 and "give a PROMPT or --input FILE" in usage.stderr and "atexit ran" in usage.stderr
+    assert command("thread", "--version").returncode == 0 and marker.exists()
+
+
 def test_torn_last_line_is_cut_and_redone(ckpt, tmp_path):
     prompts = prompts_file(tmp_path, 8)
     reference = tmp_path / "reference.jsonl"

@@ -55,6 +55,7 @@ def start_build(names=tuple(SOURCES)) -> None:
 def load(names=tuple(SOURCES)) -> dict[str, str]:
     """Build (or wait for `start_build`) and load the kernels `names` not loaded yet; returns {kernel: why
     it is unavailable}. Each failure warns once, naming the source file; callers use torch's own ops instead."""
+    global _pool
     start_build(names)
     for name in names:
         if name not in _building:
@@ -68,6 +69,9 @@ def load(names=tuple(SOURCES)) -> dict[str, str]:
         torch.ops.load_library(str(result))
         _register_fakes(name)
         _loaded[name] = result
+    if not _building and _pool is not None:  # nothing left to build: no idle thread outlives the builds
+        _pool.shutdown()
+        _pool = None
     return {name: why for name, why in _failed.items() if name in names}
 
 

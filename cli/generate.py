@@ -580,7 +580,8 @@ def with_workload(engine_args: dict, model: Path | None, jobs) -> dict:
 
     start_early(engine_args.get("device"))  # a first run's kernel builds overlap the tokenizer's
     try:
-        tokenizer = load_tokenizer(engine_args.get("tokenizer") or resolve_model(model, lambda message: None))
+        tokenizer = load_tokenizer(engine_args.get("tokenizer") or resolve_model(model, lambda message: None),
+                                   read_only=True)
     except (OSError, ValueError):  # load_engine says what is wrong with the model folder
         return engine_args
     longest = longest_request(jobs, tokenizer)

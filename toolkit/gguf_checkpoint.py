@@ -279,13 +279,15 @@ def has_tokenizer(path) -> bool:
     return "tokenizer.ggml.tokens" in read(path).fields
 
 
-def load_tokenizer(path):
+def load_tokenizer(path, own_copy: bool = True):
     """The tokenizer and chat template stored in the file (transformers builds a fast tokenizer from
     them). Built once per file version, since that takes seconds for a real vocabulary and the CLI
-    asks twice (to measure its input, then in the engine); each caller gets its own copy to change."""
+    asks twice (to measure its input, then in the engine); each caller gets its own copy to change,
+    unless it asks for none (`own_copy=False`: it only tokenizes)."""
     path = Path(path)
     stat = path.stat()
-    return copy.deepcopy(_tokenizer(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+    tokenizer = _tokenizer(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    return copy.deepcopy(tokenizer) if own_copy else tokenizer
 
 
 @functools.lru_cache(maxsize=2)

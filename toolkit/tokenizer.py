@@ -11,22 +11,24 @@ from toolkit.config import ModelConfig
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one will do
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, read_only: bool = False):
     """The checkpoint's tokenizer, or None when the folder has no tokenizer files (token-id prompts only).
-    A GGUF file's is the one stored in it, chat template included."""
+    A GGUF file's is the one stored in it, chat template included. `read_only`: the caller only
+    tokenizes, so a GGUF file's tokenizer may be the process's cached one rather than a copy of it."""
     path = Path(path)
     if not has_tokenizer(path):
         return None
     if path.is_file():
         from toolkit.gguf_checkpoint import load_tokenizer as load_gguf_tokenizer
 
-        tokenizer = load_gguf_tokenizer(path)
+        tokenizer = load_gguf_tokenizer(path, own_copy=not read_only)
     else:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
     # Prompts are bounded by max_model_len, checked by the engine; the tokenizer's own limit would only
-    # print a warning about "sequence length" that says nothing about what the engine accepts.
+    # print a warning about "sequence length" that says nothing about what the engine accepts. (The same
+    # value every time, so setting it on a shared GGUF tokenizer changes nothing for its other users.)
     tokenizer.model_max_length = int(1e30)
     return tokenizer
 

@@ -21,6 +21,8 @@ import functools
 import json
 import re
 import struct
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,7 +166,6 @@ def _parse(path: str) -> dict:
 
 def _save(saved: Path, doc: dict) -> None:
     import os
-    import tempfile
 
     try:  # written aside, then renamed: a concurrent process never reads half a file
         saved.parent.mkdir(parents=True, exist_ok=True)
@@ -296,7 +297,6 @@ def _tokenizer(path: str, mtime_ns: int, size: int):
     TOOLKIT_CACHE/tokenizers: reading the vocabulary out of GGUF metadata is most of a warm start."""
     import hashlib
     import os
-    import tempfile
 
     from transformers import AutoTokenizer
 
@@ -306,7 +306,8 @@ def _tokenizer(path: str, mtime_ns: int, size: int):
     saved = envs.cache_root() / "tokenizers" / key
     if (saved / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(saved)
-    tokenizer = AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
+    with _model_config_from_metadata(path):
+        tokenizer = AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
     if len(tokenizer) < SAVE_MIN_TOKENS:
         return tokenizer
     try:  # written aside, then renamed: a concurrent process never reads half a folder
@@ -318,6 +319,74 @@ def _tokenizer(path: str, mtime_ns: int, size: int):
     except OSError:  # a read-only or full cache, or another process saved it first: this run does without
         pass
     return tokenizer
+
+
+@contextmanager
+def _model_config_from_metadata(path: str):
+    """While AutoTokenizer builds a GGUF file's tokenizer, the model config it reads to choose the
+    tokenizer's class comes from a copy of the file's scalar metadata. transformers reads that config
+    with gguf's own reader, which walks every metadata array element by element, the vocabulary and
+    merges among them (seconds for a real vocabulary), to learn the model type; it reads the tokenizer
+    itself from the file with a fast reader of its own. Its own code still makes every choice."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        original = gguf_utils.load_gguf_checkpoint
+    except (ImportError, AttributeError):  # another transformers layout: its own, slower path
+        original = None
+    if original is None:
+        yield
+        return
+    target = Path(path).resolve()
+    with tempfile.TemporaryDirectory() as tmp:
+        stub = Path(tmp) / "metadata.gguf"
+        _write_scalar_metadata(path, stub)
+
+        def load(file, return_tensors=False, **kwargs):
+            if not return_tensors and Path(file).resolve() == target:
+                return original(str(stub), return_tensors=False, **kwargs)
+            return original(file, return_tensors=return_tensors, **kwargs)
+
+        gguf_utils.load_gguf_checkpoint = load
+        try:
+            yield
+        finally:
+            gguf_utils.load_gguf_checkpoint = original
+
+
+def _write_scalar_metadata(path, out: Path) -> None:
+    """A GGUF file at `out` with `path`'s scalar metadata but no tokenizer fields, no arrays and no
+    tensors; the vocabulary's size is kept as `{arch}.vocab_size`, which a config would take from it."""
+    import gguf
+
+    reader = read(path)
+    arch = metadata(reader, "general.architecture")
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        value = field.contents()
+        if key.startswith(("GGUF.", "tokenizer.")) or key == "general.architecture" or \
+                isinstance(value, (list, tuple, np.ndarray)):
+            continue
+        writer.add_key_value(key, value, _value_type(value))
+    tokens = metadata(reader, "tokenizer.ggml.tokens", None)
+    if f"{arch}.vocab_size" not in reader.fields and tokens is not None:
+        writer.add_uint32(f"{arch}.vocab_size", len(tokens))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _value_type(value):
+    from gguf import GGUFValueType
+
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL
+    if isinstance(value, (int, np.integer)):
+        return GGUFValueType.INT64 if value < 0 else GGUFValueType.UINT64
+    if isinstance(value, (float, np.floating)):
+        return GGUFValueType.FLOAT32
+    return GGUFValueType.STRING
 
 
 class GGUFTensors:

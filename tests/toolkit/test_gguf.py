@@ -274,6 +274,38 @@ def test_a_files_tokenizer_is_saved_once_and_the_saved_one_tokenizes_alike(tmp_p
     _tokenizer.cache_clear()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_a_files_tokenizer_is_transformers_own_without_gguf_reading_the_files_vocabulary(tmp_path, monkeypatch,
+                                                                                         family):
+    """The tokenizer built from a file equals AutoTokenizer's for that file (its class, settings, ids and
+    chat template), though transformers' read of the model config (gguf's reader, which walks every
+    array of the file element by element) went to a copy of the file's scalar metadata."""
+    from transformers import AutoTokenizer
+
+    from toolkit.gguf_checkpoint import _tokenizer, read
+
+    path = tmp_path / f"{family}.Q8_0.gguf"
+    write_gguf(path, family, "Q8_0", seed=3, tokenizer=write_tokenizer(tmp_path / "tokenizer"))
+    reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    read(path)  # the toolkit's own index of the file, which load_tokenizer reads first (has_tokenizer)
+    opened = []
+    init = gguf.GGUFReader.__init__
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, file, *a, **k: opened.append(str(file)) or
+                        init(self, file, *a, **k))
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    _tokenizer.cache_clear()
+    stat = path.stat()
+    built = _tokenizer(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    assert opened and str(path) not in opened and str(path.resolve()) not in opened, opened
+    assert type(built) is type(reference) and built.init_kwargs == reference.init_kwargs
+    for text in ("the cat sat on the mat", "  Héllo\nwörld 42 ", "<|im_start|>user"):
+        assert built.encode(text) == reference.encode(text), text
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    assert (built.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    _tokenizer.cache_clear()
+
+
 def test_a_files_index_is_saved_and_read_back_as_gguf_reads_the_file(tmp_path, monkeypatch):
     """Later starts read the file's metadata and tensor places from the index under TOOLKIT_CACHE:
     the same values and bytes as gguf's own reader; a damaged index is parsed again."""

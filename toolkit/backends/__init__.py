@@ -76,7 +76,7 @@ def start_early(device=None) -> None:
     if on_cpu and envs.cpu_kernels():
         from toolkit.backends.cpu import kernels
 
-        kernels.start_build(("linear", "attention"))
+        kernels.start_build(kernels.EVERY_MODEL)
 
 
 def for_device(config, model_config) -> Backend:

@@ -27,7 +27,6 @@ from toolkit.backends.cpu import attention_plan, kernels, vec_isa_probes
 from toolkit.backends.cpu.experts import pack_experts
 from toolkit.backends.cpu.linear import (LinearPlan, layer_shapes, onednn_native, pack_int8_linears, pack_linears,
                                          plan_for)
-from toolkit.parallel.expert_parallel import num_experts
 
 log = logging.getLogger("toolkit")
 
@@ -38,7 +37,7 @@ class CPUBackend(Backend):
     def __init__(self, config, model_config):
         super().__init__(config, model_config)
         # The experts' kernel only for a model with experts: a dense model's cold start does not build it.
-        self._kernels = tuple(name for name in kernels.SOURCES if name != "experts" or num_experts(model_config))
+        self._kernels = kernels.EVERY_MODEL + (("experts",) if model_config.moe is not None else ())
         if config.cpu_kernels:
             kernels.start_build(self._kernels)  # overlaps the weights' loading; waited for by the first question below
         self._unavailable: dict[str, str] | None = None if config.cpu_kernels else {

@@ -34,6 +34,7 @@ from toolkit.backends.cpu import build
 
 SOURCES = {"linear": build.CSRC / "linear.cpp", "attention": build.CSRC / "attention.cpp",
            "experts": build.CSRC / "experts.cpp"}
+EVERY_MODEL = ("linear", "attention")  # the kernels every model uses; "experts" only an MoE model's
 _loaded: dict[str, Path] = {}
 _failed: dict[str, str] = {}
 _building: dict[str, Future] = {}

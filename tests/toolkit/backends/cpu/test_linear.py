@@ -110,8 +110,9 @@ def test_half_weights_and_activations(dtype, n, k):
 
 def test_float32_logits_over_bf16_weights_are_float32_where_they_compete():
     """A Float32Logits module (the lm_head): float32 x in, float32 logits out over bf16 weights. Up to
-    small_m rows the panel kernel computes every entry in float32; above, oneDNN's bf16 matmul with each
-    row's entries near its maximum (within 1/32 of it, + 0.05) recomputed in float32, so a near-tie that
+    small_m rows the panel kernel computes every entry in float32; above, a bf16 matmul of x rounded to
+    bf16 (AMX's tiles up to 32 rows where the CPU has them, oneDNN otherwise) with each row's entries near
+    its maximum (within 1/32 of it, + 0.05) recomputed in float32, so a near-tie that
     bf16 rounding would turn into a tie (two logits ~24 apart from zero, ~0.01 from each other: a bf16
     step there is 0.125) resolves as float32 does at every row count, and the rest are within bf16's
     rounding."""
@@ -132,7 +133,7 @@ def test_float32_logits_over_bf16_weights_are_float32_where_they_compete():
     _needs_native_onednn(torch.bfloat16)
     packed = CPULinear(head, BOTH)
     assert packed.panels is not None and packed.onednn_weight is not None
-    for m in (1, 4, 5, 64):  # panels up to 4 rows, oneDNN above
+    for m in (1, 4, 5, 32, 33, 64):  # panels up to 4 rows; above, the tiles up to 32 rows, oneDNN past them
         x = x0.repeat(m, 1) + 1e-3 * torch.randn(m, k, generator=g)
         out, ref = packed(x), _reference(x, head)
         assert out.dtype == torch.float32
@@ -143,7 +144,7 @@ def test_float32_logits_over_bf16_weights_are_float32_where_they_compete():
         torch.testing.assert_close(out[near].double(), ref[near], atol=1e-4 * k**0.5, rtol=1e-5)
         if m <= 4:
             torch.testing.assert_close(out.double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
-        else:  # x rounded to bf16, the output rounded once
+        else:  # x rounded to bf16 (and oneDNN's output rounded once)
             torch.testing.assert_close(out.double(), ref, atol=0.05, rtol=2**-7)
 
 

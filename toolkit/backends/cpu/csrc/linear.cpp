@@ -43,17 +43,67 @@ void dispatch(const Tensor& x, const Tensor& panels, const std::optional<Tensor>
 constexpr float BAND_REL = 1.f / 32, BAND_ABS = 0.05f;
 constexpr int64_t EXACT_MAX = 16;
 
+// Row m's entries `near` set to their float32 values: each panel holding one of them computed once for
+// this row by the panel kernel's float32 path (the values the exact path gives a single row), a
+// contiguous read of the panel, instead of each column's K scattered loads.
 template <typename W>
-float column_dot(const float* x, const W* panels, int64_t K, int64_t n, const W* bias) {
-    const W* panel = panels + (n / NR) * K * NR;
-    float acc = bias ? to_float(bias[n]) : 0.f;
-    for (int64_t k = 0; k < K; ++k) acc += x[k] * to_float(panel[panel_offset<W>(k, int(n % NR), K)]);
-    return acc;
+void recompute_near(const float* x, const W* panels, const W* bias, int64_t N, int64_t K, std::vector<int64_t>& near,
+                    float* row) {
+    std::sort(near.begin(), near.end());
+    float sums[NR];
+    for (size_t i = 0; i < near.size();) {
+        const int64_t p = near[i] / NR;
+        const int cols = int(std::min<int64_t>(NR, N - p * NR));
+        panel_rows(x, K, panels + p * K * NR, K, bias ? bias + p * NR : nullptr, (const float*)nullptr, sums, NR, 1,
+                   cols);
+        for (; i < near.size() && near[i] / NR == p; ++i) row[near[i]] = sums[near[i] % NR];
+    }
 }
 
+// out = y (logits from x rounded to the half type; null: out holds them already) widened, with each
+// row's entries near its maximum recomputed in float32 from x and the panels. A row is widened while its
+// chunks' maxima are taken, and only the chunks that reach the band are searched for its entries (a
+// scalar test of every entry took longer than the matmul).
+template <typename W, typename Y>
+void refine_near_top(const float* xf, int64_t xs, const W* panels, const W* bias, const Y* y, float* out, int64_t M,
+                     int64_t N, int64_t K) {
+    constexpr int64_t CHUNK = 64;
+    const int64_t chunks = (N + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+        float* __restrict row = out + m * N;
+        const Y* __restrict from = y ? y + m * N : nullptr;
+        std::vector<float> chunk_top(chunks);
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t n0 = c * CHUNK, n1 = std::min(N, n0 + CHUNK);
+            float t = -std::numeric_limits<float>::infinity();
+            if (from)
+                for (int64_t n = n0; n < n1; ++n) {
+                    const float v = to_float(from[n]);
+                    row[n] = v, t = std::max(t, v);
+                }
+            else
+                for (int64_t n = n0; n < n1; ++n) t = std::max(t, row[n]);
+            chunk_top[c] = t, top = std::max(top, t);
+        }
+        const float floor = top - (std::fabs(top) * BAND_REL + BAND_ABS);
+        std::vector<int64_t> near;
+        for (int64_t c = 0; c < chunks; ++c)
+            if (chunk_top[c] >= floor)
+                for (int64_t n = c * CHUNK; n < std::min(N, (c + 1) * CHUNK); ++n)
+                    if (row[n] >= floor) near.push_back(n);
+        if (int64_t(near.size()) > EXACT_MAX)  // a flat row: the largest EXACT_MAX
+            std::nth_element(near.begin(), near.begin() + EXACT_MAX - 1, near.end(),
+                             [row](int64_t a, int64_t c) { return row[a] > row[c]; }),
+                near.resize(EXACT_MAX);
+        recompute_near(xf + m * xs, panels, bias, N, K, near, row);
+    }
+}
+
+// Float32 x rounded to the weights' half type, row major.
 template <typename W>
-Tensor float32_io_onednn(const Tensor& x, const Tensor& panels, const Tensor& weight, const std::optional<Tensor>& bias,
-                         int64_t M, int64_t N, int64_t K) {
+Tensor rounded_x(const Tensor& x, const Tensor& panels, int64_t M, int64_t K) {
     Tensor xh = empty_as(panels, {M, K});
     W* h = static_cast<W*>(xh.data_ptr());
     const float* xf = static_cast<const float*>(x.data_ptr());
@@ -61,29 +111,39 @@ Tensor float32_io_onednn(const Tensor& x, const Tensor& panels, const Tensor& we
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
     for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) put(h + m * K + k, xf[m * xs + k]);
-    Tensor yh = onednn_linear(xh, weight, bias);
+    return xh;
+}
+
+template <typename W>
+Tensor float32_io_onednn(const Tensor& x, const Tensor& panels, const Tensor& weight, const std::optional<Tensor>& bias,
+                         int64_t M, int64_t N, int64_t K) {
+    Tensor yh = onednn_linear(rounded_x<W>(x, panels, M, K), weight, bias);
     Tensor out = empty_as(x, {M, N});
     const W* y = static_cast<const W*>(yh.data_ptr());
-    float* o = static_cast<float*>(out.data_ptr());
-    const W* pw = static_cast<const W*>(panels.data_ptr());
     const W* b = bias ? static_cast<const W*>(bias->data_ptr()) : nullptr;
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-        float* row = o + m * N;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t n = 0; n < N; ++n) row[n] = to_float(y[m * N + n]), top = std::max(top, row[n]);
-        const float floor = top - (std::fabs(top) * BAND_REL + BAND_ABS);
-        std::vector<int64_t> near;
-        for (int64_t n = 0; n < N; ++n)
-            if (row[n] >= floor) near.push_back(n);
-        if (int64_t(near.size()) > EXACT_MAX)  // a flat row: the largest EXACT_MAX
-            std::nth_element(near.begin(), near.begin() + EXACT_MAX - 1, near.end(),
-                             [row](int64_t a, int64_t c) { return row[a] > row[c]; }),
-                near.resize(EXACT_MAX);
-        for (int64_t n : near) row[n] = column_dot(xf + m * xs, pw, K, n, b);
-    }
+    refine_near_top(static_cast<const float*>(x.data_ptr()), x.stride(0), static_cast<const W*>(panels.data_ptr()), b,
+                    y, static_cast<float*>(out.data_ptr()), M, N, K);
     return out;
 }
+
+#if AMX_PANELS
+// Up to AMX_ROWS rows, float32 x over paired bf16 panels: x rounded to bf16 through AMX's tiles, which
+// write float32 sums (no rounding of the output), then the near-top entries recomputed. One block of the
+// tiles' rows reads each panel once; above it oneDNN's bf16 matmul is the faster (docs/benchmarks.md).
+constexpr int64_t AMX_ROWS = 32;
+
+Tensor float32_io_amx(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias, int64_t M, int64_t N,
+                      int64_t K) {
+    Tensor xh = rounded_x<uint16_t>(x, panels, M, K);
+    Tensor out = empty_as(x, {M, N});
+    float* o = static_cast<float*>(out.data_ptr());
+    const uint16_t* pw = static_cast<const uint16_t*>(panels.data_ptr());
+    const uint16_t* b = bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+    linear_amx(static_cast<const uint16_t*>(xh.data_ptr()), K, pw, b, o, M, N, K);
+    refine_near_top(static_cast<const float*>(x.data_ptr()), x.stride(0), pw, b, (const float*)nullptr, o, M, N, K);
+    return out;
+}
+#endif
 
 Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> onednn_weight,
                   std::optional<Tensor> bias, int64_t out_features, int64_t small_m) {
@@ -92,8 +152,9 @@ Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> 
     STD_TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_cpu: x must be [M, K] with unit stride in K, got ", shape(x));
     const int64_t M = x.size(0), K = x.size(1);
     const ScalarType w_type = (panels ? *panels : *onednn_weight).scalar_type();
-    // float32 x with half panels: float32 out, from the panel kernel up to small_m rows, above from oneDNN
-    // with each row's entries near its maximum recomputed in float32 (float32_io_onednn).
+    // float32 x with half panels: float32 out, from the panel kernel up to small_m rows, above from AMX's
+    // tiles (float32_io_amx) or oneDNN (float32_io_onednn) with each row's entries near its maximum
+    // recomputed in float32.
     const bool float32_io = x.scalar_type() == ScalarType::Float && w_type != ScalarType::Float;
     STD_TORCH_CHECK(x.scalar_type() == w_type || (float32_io && panels),
                     "linear_cpu: x must be in the weights' dtype, or float32 with half panels");
@@ -102,16 +163,18 @@ Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> 
                     "linear_cpu: bias must be a contiguous [out_features] tensor in the weights' dtype");
     if (onednn_weight && !float32_io && (M > small_m || !panels)) return onednn_linear(x, *onednn_weight, bias);
     const Kind kind = kind_of(*panels, "panels");
-    if (onednn_weight && float32_io && M > small_m) {
-        STD_TORCH_CHECK(panels->size(0) * NR >= out_features && panels->size(1) == K, "linear_cpu: panels ",
-                        shape(*panels), " do not fit x ", shape(x));
-        return kind == BF16 ? float32_io_onednn<uint16_t>(x, *panels, *onednn_weight, bias, M, out_features, K)
-                            : float32_io_onednn<f16>(x, *panels, *onednn_weight, bias, M, out_features, K);
-    }
     STD_TORCH_CHECK(panels->dim() == 3 && panels->size(1) == K && panels->size(2) == NR && panels->is_contiguous() &&
                         0 < out_features && out_features <= panels->size(0) * NR,
                     "linear_cpu: x ", shape(x), " and out_features ", out_features, " do not fit panels ",
                     shape(*panels), " (contiguous [ceil(N / 16), K, 16])");
+#if AMX_PANELS
+    if (float32_io && M > small_m && M <= AMX_ROWS && kind == BF16 && amx_ready())
+        return float32_io_amx(x, *panels, bias, M, out_features, K);
+#endif
+    if (onednn_weight && float32_io && M > small_m) {
+        return kind == BF16 ? float32_io_onednn<uint16_t>(x, *panels, *onednn_weight, bias, M, out_features, K)
+                            : float32_io_onednn<f16>(x, *panels, *onednn_weight, bias, M, out_features, K);
+    }
     Tensor out = empty_as(x, {M, out_features});
     switch (kind) {
         case F32: dispatch<float>(x, *panels, bias, out, M, out_features, K); break;

@@ -11,7 +11,8 @@
 // widens 8 halves at once. x and out share W's dtype
 // (x is widened once per call, out rounded to nearest even on store), or, with half weights, both are
 // float32: the lm_head's float32 logits (toolkit/models/logits.py), computed in float32 by the panel
-// kernel, or above small_m by oneDNN with each row's entries near its maximum recomputed in float32.
+// kernel, or above small_m by a bf16 matmul (AMX tiles or oneDNN, linear.cpp) with each row's entries
+// near its maximum recomputed in float32.
 
 #pragma once
 

@@ -63,7 +63,7 @@ void recompute_near(const float* x, const W* panels, const W* bias, int64_t N, i
 // out = y (logits from x rounded to the half type; null: out holds them already) widened, with each
 // row's entries near its maximum recomputed in float32 from x and the panels. A row is widened while its
 // chunks' maxima are taken, and only the chunks that reach the band are searched for its entries (a
-// scalar test of every entry took longer than the matmul).
+// scalar test of every entry was the largest cost beside the matmul).
 template <typename W, typename Y>
 void refine_near_top(const float* xf, int64_t xs, const W* panels, const W* bias, const Y* y, float* out, int64_t M,
                      int64_t N, int64_t K) {

@@ -58,7 +58,8 @@ def test_cpu_experts_match_float64(plan, dtype, tol, routing, hidden, inter):
         # oneDNN packs bf16 only with native units (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); without them
         # plan_for never chooses it (tests/toolkit/backends/cpu/test_linear.py, test_plans_by_rule_and_by_config).
         pytest.skip(f"oneDNN has no native {dtype} on this CPU: the engine never plans oneDNN experts here")
-    E, H, I, T, k = 8, hidden, inter, 19, 2
+    # 38 tokens: skewed, two experts get 37 rows each, which oneDNN is called with padded to 38 (onednn_rows).
+    E, H, I, T, k = 8, hidden, inter, 38, 2
     g = torch.Generator().manual_seed(3)
     first, local = (4, 4) if routing == "ep" else (0, None)
     m = _experts(E, H, I, dtype, seed=1, first_expert=first, local=local)

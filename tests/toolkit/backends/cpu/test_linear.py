@@ -63,11 +63,15 @@ def test_rows_above_small_m_go_to_onednn_and_agree(dtype):
     assert both.panels is not None and both.onednn_weight is not None and panels_only.onednn_weight is None
     g = torch.Generator().manual_seed(4)
     tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.25, rtol=2**-7)
-    for m in (1, 4, 5, 64):
+    for m in (1, 4, 5, 64, 77):  # oneDNN gets 77 rows padded to 80 (onednn_rows), and returns 77
         x = torch.randn(m, 300, generator=g).to(dtype)
-        torch.testing.assert_close(both(x).double(), _reference(x, lin), **tol)
+        out = both(x)
+        assert out.shape == (m, 70) and out.is_contiguous()
+        torch.testing.assert_close(out.double(), _reference(x, lin), **tol)
         if m <= 4:  # the same panel kernel on both sides: the same bits
-            assert torch.equal(both(x), panels_only(x))
+            assert torch.equal(out, panels_only(x))
+    rows = torch.randn(45, 600, generator=g).to(dtype)[:, :300]  # row stride 600, padded to 46 rows
+    torch.testing.assert_close(both(rows).double(), _reference(rows, lin), **tol)
 
 
 def test_panels_of_2_mib_and_more_start_on_a_huge_page_and_compute_alike():

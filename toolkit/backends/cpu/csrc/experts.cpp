@@ -127,17 +127,20 @@ template <typename X>
 void onednn_expert(const Tensor& x, const X* xd, const Groups& g, int64_t e, const Tensor& w13, const Tensor& w2,
                    const float* topk_weights, int64_t k, int64_t H, int64_t I, float* out32) {
     const int64_t* pair = g.pairs.data() + g.offset[e];
-    const int64_t n = g.offset[e + 1] - g.offset[e];
-    Tensor rows = empty_as(x, {n, H});
+    const int64_t n = g.offset[e + 1] - g.offset[e], padded = onednn_rows(n);
+    // Gathered straight into oneDNN's padded row count (zero rows past n), so no second copy pads it.
+    Tensor rows = empty_as(x, {padded, H});
     X* r = static_cast<X*>(rows.data_ptr());
     for (int64_t i = 0; i < n; ++i) std::memcpy(r + i * H, xd + (pair[i] / k) * H, H * sizeof(X));
+    std::memset(r + n * H, 0, (padded - n) * H * sizeof(X));
     Tensor h = onednn_linear(rows, w13, std::nullopt);
-    Tensor act = empty_as(x, {n, I});
+    Tensor act = empty_as(x, {padded, I});
     const X* hd = static_cast<const X*>(h.data_ptr());
     X* a = static_cast<X*>(act.data_ptr());
-    // The reference rounds silu(gate) to x's dtype before the product: so does this.
-#pragma omp parallel for schedule(static) if (n * I >= (1 << 15))
-    for (int64_t i = 0; i < n; ++i)
+    // The reference rounds silu(gate) to x's dtype before the product: so does this. The padding rows'
+    // h is zero, so their activation is too.
+#pragma omp parallel for schedule(static) if (padded * I >= (1 << 15))
+    for (int64_t i = 0; i < padded; ++i)
         for (int64_t c = 0; c < I; ++c) {
             X s;
             put(&s, silu(to_float(hd[i * 2 * I + c])));

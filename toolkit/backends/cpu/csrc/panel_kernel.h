@@ -526,17 +526,45 @@ void panel_linear(const void* x, int64_t x_stride, const W* panels, const B* bia
     linear(wide.get(), K, panels, bias, scale, out, M, N, K);
 }
 
+// The row count oneDNN is called with for M rows. oneDNN generates a kernel for every new row count
+// it sees (its primitive cache keeps them), which costs several times a matmul of a few hundred rows
+// (docs/benchmarks.md): a workload's batch sizes and per-expert row counts would each pay it once per
+// process. Rounded up to 16 sizes per octave, at most a sixteenth more rows are computed, and a few
+// hundred kernels serve every row count up to the step's token budget.
+inline int64_t onednn_rows(int64_t M) {
+    if (M <= 32) return M;
+    const int64_t step = int64_t(1) << (63 - __builtin_clzll(uint64_t(M)) - 4);
+    return (M + step - 1) / step * step;
+}
+
+// x [M, K] (unit stride in K) copied into the first rows of a [rows, K] tensor, the rest zeroed.
+inline Tensor padded_rows(const Tensor& x, int64_t rows) {
+    const int64_t M = x.size(0), K = x.size(1), bytes = K * (kind_of(x, "x") == F32 ? 4 : 2);
+    Tensor out = empty_as(x, {rows, K});
+    char* o = static_cast<char*>(out.data_ptr());
+    const char* in = static_cast<const char*>(x.data_ptr());
+    const int64_t in_stride = x.stride(0) * (bytes / K);
+#pragma omp parallel for schedule(static) if (M * bytes >= (1 << 20))
+    for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * bytes, in + m * in_stride, bytes);
+    std::memset(o + M * bytes, 0, (rows - M) * bytes);
+    return out;
+}
+
+// x [M, K] @ weight^T + bias through oneDNN (weight packed for it, or a plain [N, K] tensor); out
+// [M, N], contiguous: the first M rows of a [onednn_rows(M), N] tensor where M was padded.
 Tensor onednn_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
 #if !AT_MKLDNN_ENABLED()
     STD_TORCH_CHECK(false, "linear_cpu: this torch has no oneDNN, so no oneDNN weight can be passed");
     return x;
 #else
-    Tensor xc = x.is_contiguous() ? x : torch::stable::contiguous(x);
+    const int64_t M = x.size(0), rows = onednn_rows(M);
+    Tensor xc = rows != M ? padded_rows(x, rows) : x.is_contiguous() ? x : torch::stable::contiguous(x);
     AtenTensorHandle b = bias ? bias->get() : nullptr, ret;
     STD_TORCH_CHECK(aoti_torch_cpu__linear_pointwise(xc.get(), weight.get(), bias ? &b : nullptr, "none", nullptr, 0,
                                                      nullptr, &ret) == AOTI_TORCH_SUCCESS,
                     "linear_cpu: oneDNN's linear failed");
-    return Tensor(ret);
+    Tensor out(ret);
+    return rows != M ? torch::stable::narrow(out, 0, 0, M) : out;
 #endif
 }
 

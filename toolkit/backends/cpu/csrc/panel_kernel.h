@@ -530,8 +530,8 @@ void panel_linear(const void* x, int64_t x_stride, const W* panels, const B* bia
 // it sees (its primitive cache keeps them), which costs several times a matmul of a few hundred rows
 // (docs/benchmarks.md): a workload's batch sizes and per-expert row counts would each pay it once per
 // process. Rounded up to 16 sizes per octave, at most a sixteenth more rows are computed, and at most
-// 128 kernels per weight shape serve every row count up to 2,048: a model's few shapes stay within
-// oneDNN's default cache of 1,024 kernels, which 32 per octave would overflow.
+// 128 kernels per weight shape serve every row count up to 2,048, well within the 4,096 the toolkit
+// has oneDNN keep (envs.set_process_defaults).
 inline int64_t onednn_rows(int64_t M) {
     if (M <= 32) return M;
     const int64_t step = int64_t(1) << (63 - __builtin_clzll(uint64_t(M)) - 4);

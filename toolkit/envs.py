@@ -79,11 +79,12 @@ def set_process_defaults() -> None:
     """Defaults for libraries the toolkit uses, set when it is imported (a value already set wins).
 
     oneDNN compiles one primitive per matmul shape, and a step's row count changes every step. The
-    CPU kernels round it up to one of at most 128 per weight shape (`onednn_rows`, csrc/panel_kernel.h),
-    but a model's shapes times those, plus any other oneDNN user in the process (another model, the
-    benchmark's transformers peer), can pass oneDNN's default 1024 primitives: each evicted one is
-    compiled again at its next use (measured: docs/benchmarks.md). oneDNN reads the variable when torch loads, so this runs
-    when `toolkit` is imported, before it imports torch: a program that imports torch first sets the
-    variable itself (the `toolkit` command imports the toolkit first).
+    CPU kernels round it up to one of at most 128 per weight shape up to 2,048 rows (`onednn_rows`,
+    csrc/panel_kernel.h), but a model's shapes times those, plus any other oneDNN user in the process
+    (another model, the benchmark's transformers peer), can pass oneDNN's default 1024 primitives:
+    each evicted one is compiled again at its next use (measured: docs/benchmarks.md). oneDNN reads
+    the variable when torch loads, so this runs when `toolkit` is imported, before it imports torch:
+    a program that imports torch first sets the variable itself (the `toolkit` command imports the
+    toolkit first).
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")

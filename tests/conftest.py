@@ -20,16 +20,8 @@ def pytest_report_header(config):
     return f"hypothesis profile: {PROFILE} (HYPOTHESIS_PROFILE; tests/hypothesis_profiles.py)"
 
 
-# The suite's longest file by far (a compiled engine per family and dtype, cold in CI: docs/benchmarks.md).
-# `make test` hands whole files to two workers in collection order, and in path order this one came near
-# the end, where it could run alone while the other worker had nothing left.
-RUN_FIRST = ("tests/toolkit/test_bf16_error.py",)
-
-
 def pytest_collection_modifyitems(config, items):
-    """CI must not depend on the draw: no test's own @settings may defeat the profile. The longest file
-    is moved to the front (stable, so every worker collects the same order)."""
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in RUN_FIRST)
+    """CI must not depend on the draw: no test's own @settings may defeat the profile."""
     for item in items:
         own = getattr(getattr(item, "obj", None), "_hypothesis_internal_use_settings", None)
         why = profile_violation(own) if own is not None else None

@@ -101,23 +101,25 @@ void refine_near_top(const float* xf, int64_t xs, const W* panels, const W* bias
     }
 }
 
-// Float32 x rounded to the weights' half type, row major.
+// Float32 x rounded to the weights' half type, row major, in the first M of `rows` rows (the rest zero:
+// oneDNN's padded row count, so onednn_linear need not copy it again).
 template <typename W>
-Tensor rounded_x(const Tensor& x, const Tensor& panels, int64_t M, int64_t K) {
-    Tensor xh = empty_as(panels, {M, K});
+Tensor rounded_x(const Tensor& x, const Tensor& panels, int64_t M, int64_t K, int64_t rows) {
+    Tensor xh = empty_as(panels, {rows, K});
     W* h = static_cast<W*>(xh.data_ptr());
     const float* xf = static_cast<const float*>(x.data_ptr());
     const int64_t xs = x.stride(0);
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
     for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) put(h + m * K + k, xf[m * xs + k]);
+    std::memset(h + M * K, 0, (rows - M) * K * sizeof(W));
     return xh;
 }
 
 template <typename W>
 Tensor float32_io_onednn(const Tensor& x, const Tensor& panels, const Tensor& weight, const std::optional<Tensor>& bias,
                          int64_t M, int64_t N, int64_t K) {
-    Tensor yh = onednn_linear(rounded_x<W>(x, panels, M, K), weight, bias);
+    Tensor yh = onednn_linear(rounded_x<W>(x, panels, M, K, onednn_rows(M)), weight, bias);  // M rows used
     Tensor out = empty_as(x, {M, N});
     const W* y = static_cast<const W*>(yh.data_ptr());
     const W* b = bias ? static_cast<const W*>(bias->data_ptr()) : nullptr;
@@ -134,7 +136,7 @@ constexpr int64_t AMX_ROWS = 32;
 
 Tensor float32_io_amx(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias, int64_t M, int64_t N,
                       int64_t K) {
-    Tensor xh = rounded_x<uint16_t>(x, panels, M, K);
+    Tensor xh = rounded_x<uint16_t>(x, panels, M, K, M);
     Tensor out = empty_as(x, {M, N});
     float* o = static_cast<float*>(out.data_ptr());
     const uint16_t* pw = static_cast<const uint16_t*>(panels.data_ptr());

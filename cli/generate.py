@@ -59,6 +59,7 @@ class Ranks:
     decode: int = 0
     prefill_tp: int | None = None
     prefill_pp: int | None = None
+    prefill_serves: bool = False  # a prefill instance also serves whole requests (decode_token_cost)
 
     @property
     def world(self) -> int:
@@ -67,8 +68,12 @@ class Ranks:
         return self.tp * self.dp * self.pp
 
     @property
+    def _prefill_size(self) -> int:
+        return (self.prefill_tp or self.tp) * (self.prefill_pp or self.pp)
+
+    @property
     def _first_decode(self) -> int:
-        return self.prefill * (self.prefill_tp or self.tp) * (self.prefill_pp or self.pp)
+        return self.prefill * self._prefill_size
 
     @property
     def decode_instance(self) -> int | None:
@@ -79,7 +84,9 @@ class Ranks:
     @property
     def shards(self) -> int:
         """Writers of shard files, merged into OUTPUT at the end (1: OUTPUT itself)."""
-        return self.decode * self.dp if self.prefill else self.dp
+        if self.prefill:
+            return self.decode * self.dp + (self.prefill if self.prefill_serves else 0)
+        return self.dp
 
     @property
     def replica(self) -> int:
@@ -97,14 +104,20 @@ class Ranks:
 
     @property
     def writer(self) -> bool:  # its replica's first rank (stage 0, TP rank 0): writes the replica's records
-        if self.prefill:  # (disaggregated: its decode instance's first rank)
-            return self.decode_instance is not None and (self.rank - self._first_decode) % (self.tp * self.pp) == 0
+        if self.prefill:  # (disaggregated: its decode instance's first rank, or a serving prefill instance's)
+            if self.decode_instance is None:
+                return self.prefill_serves and self.rank % self._prefill_size == 0
+            return (self.rank - self._first_decode) % (self.tp * self.pp) == 0
         return self.rank % (self.tp * self.pp) == 0
 
     @property
     def shard(self) -> int:
-        """The shard this rank writes (with shards > 1)."""
-        return self.decode_instance if self.prefill else self.replica
+        """The shard this rank writes (with shards > 1): decode instances' first, then prefill instances'."""
+        if not self.prefill:
+            return self.replica
+        if self.decode_instance is None:
+            return self.decode * self.dp + self.rank // self._prefill_size
+        return self.decode_instance
 
     @property
     def writes_failures(self) -> bool:
@@ -188,6 +201,7 @@ def generate(
     prefill_pp: o.PrefillPipelineParallelOpt = None,
     prefill_backlog: o.PrefillBacklogOpt = 64,
     max_local_prefill_tokens: o.LocalPrefillOpt = 0,
+    decode_token_cost: o.DecodeTokenCostOpt = 0.0,
     verbose: o.VerboseOpt = False,
 ):
     """Generate completions for one prompt or a file of them.
@@ -212,12 +226,13 @@ def generate(
     )
     engine.update(o.disagg_kwargs(prefill_instances=prefill_instances, decode_instances=decode_instances,
                                   prefill_tp=prefill_tp, prefill_pp=prefill_pp, prefill_backlog=prefill_backlog,
-                                  max_local_prefill_tokens=max_local_prefill_tokens))
+                                  max_local_prefill_tokens=max_local_prefill_tokens,
+                                  decode_token_cost=decode_token_cost))
     engine.update(o.kv_kwargs(enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
                               kv_disk_cache_dir=kv_disk_cache_dir, kv_disk_cache_size=kv_disk_cache_size,
                               preemption_mode=preemption_mode))
     ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp, prefill_instances, decode_instances, prefill_tp,
-                  prefill_pp)
+                  prefill_pp, decode_token_cost > 0)
     with interruptible():  # SIGINT and SIGTERM: one line, and the output's lock removed (cli/interrupts.py)
         try:
             if speculative_config is not None:
@@ -280,12 +295,14 @@ def check_disaggregation(engine_args: dict) -> None:
 
     fields = {k: engine_args[k] for k in ("prefill_instances", "decode_instances", "prefill_tensor_parallel_size",
                                           "prefill_pipeline_parallel_size", "max_local_prefill_tokens",
+                                          "decode_token_cost",
                                           "data_parallel_size", "pipeline_parallel_size", "speculative_config",
                                           "kv_offloading_size", "kv_disk_cache_dir", "enable_expert_parallel")
               if k in engine_args}
     if not fields.get("prefill_instances") and not fields.get("decode_instances") \
             and fields.get("prefill_tensor_parallel_size") is None \
-            and fields.get("prefill_pipeline_parallel_size") is None and not fields.get("max_local_prefill_tokens"):
+            and fields.get("prefill_pipeline_parallel_size") is None and not fields.get("max_local_prefill_tokens") \
+            and not fields.get("decode_token_cost"):
         return
     try:
         EngineConfig(model="-", **fields)
@@ -293,6 +310,7 @@ def check_disaggregation(engine_args: dict) -> None:
         names = {"prefill_instances": "--prefill-instances", "decode_instances": "--decode-instances",
                  "prefill_tensor_parallel_size": "--prefill-tp", "data_parallel_size": "--dp",
                  "prefill_pipeline_parallel_size": "--prefill-pp", "max_local_prefill_tokens": "--max-local-prefill-tokens",
+                 "decode_token_cost": "--decode-token-cost",
                  "pipeline_parallel_size": "--pp", "speculative_config": "--speculative-config",
                  "kv_offloading_size": "--kv-offloading-size", "kv_disk_cache_dir": "--kv-disk-cache-dir",
                  "enable_expert_parallel": "--enable-expert-parallel"}
@@ -483,7 +501,9 @@ def _generate_file(io: IOArgs, model: Path | None, base: SamplingParams, fmt: st
         stats.spec = engine_stats.get("spec_decode")
         if "disaggregated" not in engine_stats:
             stats.kv = kv_summary(engine)
-        else:  # a decode instance's prefix cache sees none of the prompts: the prefill instances compute them
+        elif engine_stats["disaggregated"]["role"] == "decode":
+            # A decode instance's prefix cache sees none of the prompts: the prefill instances compute
+            # them. What it received is the handoff (a serving prefill instance's sends would count it twice).
             kv = engine_stats["disaggregated"]["kv"]
             stats.handoff = {k: kv[k] for k in ("transfers", "bytes", "seconds_total")}
         stats.pipeline = engine.pipeline_stats()  # a collective over the replica's ranks

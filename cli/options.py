@@ -148,15 +148,16 @@ def kv_kwargs(*, enable_prefix_caching: bool, kv_offloading_size: float | None, 
 
 
 def disagg_kwargs(*, prefill_instances: int, decode_instances: int, prefill_tp: int | None, prefill_pp: int | None,
-                  prefill_backlog: int, max_local_prefill_tokens: int) -> dict:
+                  prefill_backlog: int, max_local_prefill_tokens: int, decode_token_cost: float = 0.0) -> dict:
     """EngineConfig's disaggregation fields from the options; none when no disaggregation option is
     given (one that is, without instances, reaches EngineConfig and its clear error)."""
     if not (prefill_instances or decode_instances or prefill_tp is not None or prefill_pp is not None
-            or max_local_prefill_tokens):
+            or max_local_prefill_tokens or decode_token_cost):
         return {}
     return dict(prefill_instances=prefill_instances, decode_instances=decode_instances,
                 prefill_tensor_parallel_size=prefill_tp, prefill_pipeline_parallel_size=prefill_pp,
-                prefill_backlog=prefill_backlog, max_local_prefill_tokens=max_local_prefill_tokens)
+                prefill_backlog=prefill_backlog, max_local_prefill_tokens=max_local_prefill_tokens,
+                decode_token_cost=decode_token_cost)
 
 
 DeviceOpt = Annotated[Optional[str], typer.Option(
@@ -202,6 +203,12 @@ LocalPrefillOpt = Annotated[int, typer.Option(
     "--max-local-prefill-tokens", min=0, rich_help_panel=PARALLEL,
     help="Disaggregated: prompts of at most this many tokens are computed by their decode instance instead of "
          "being handed over (conditional disaggregation). 0: every prompt is handed over.")]
+DecodeTokenCostOpt = Annotated[float, typer.Option(
+    "--decode-token-cost", min=0.0, rich_help_panel=PARALLEL,
+    help="Disaggregated: a prefill instance also serves whole requests (prefill and decode, after the prompts "
+         "it hands over) while less work is routed to it than to its decode instance, an output token counted "
+         "as this many prompt tokens (what decoding one costs against prefilling one at the decode side's batch "
+         "size: `toolkit bench disagg` shows both). 0: a prefill instance only prefills.")]
 PrefillBacklogOpt = Annotated[int, typer.Option(
     "--prefill-backlog", min=1, rich_help_panel=PARALLEL,
     help="Requests a prefill instance holds at once, computing or with their KV waiting for the decode side; "

@@ -76,6 +76,7 @@ def serve(
     prefill_pp: o.PrefillPipelineParallelOpt = None,
     prefill_backlog: o.PrefillBacklogOpt = 64,
     max_local_prefill_tokens: o.LocalPrefillOpt = 0,
+    decode_token_cost: o.DecodeTokenCostOpt = 0.0,
     pp_layer_partition: o.PipelinePartitionOpt = None,
     enable_expert_parallel: o.ExpertParallelOpt = False,
     verbose: o.VerboseOpt = False,
@@ -101,9 +102,10 @@ def serve(
                                    preemption_mode=preemption_mode))
     engine_args.update(o.disagg_kwargs(prefill_instances=prefill_instances, decode_instances=decode_instances,
                                    prefill_tp=prefill_tp, prefill_pp=prefill_pp, prefill_backlog=prefill_backlog,
-                                   max_local_prefill_tokens=max_local_prefill_tokens))
+                                   max_local_prefill_tokens=max_local_prefill_tokens,
+                                   decode_token_cost=decode_token_cost))
     ranks = Ranks(tp, dp, int(os.environ.get("RANK", "0")), pp, prefill_instances, decode_instances, prefill_tp,
-                  prefill_pp)
+                  prefill_pp, decode_token_cost > 0)
     world, rank = ranks.world, ranks.rank
     name = served_model_name or str(model or "toolkit-default")
     try:

@@ -280,28 +280,50 @@ def recv_kv(kv_caches: list[torch.Tensor], blocks: list[int], routes: list[HeadR
     return place_kv(kv_caches, blocks, posted, keep)
 
 
-def route_requests(prompt_lens: list[int], max_tokens: list[int], layout: DisaggLayout) -> list[tuple[int, int]]:
-    """The router: each request's (prefill instance, decode instance), the same on every rank. In
-    arrival order, the prefill instance with the fewest pending prompt tokens and the decode
-    instance with the least KV promised (prompt + max_tokens); ties to the lower index."""
-    router = Router(layout)
+def route_requests(prompt_lens: list[int], max_tokens: list[int], layout: DisaggLayout,
+                   decode_token_cost: float = 0.0) -> list[tuple[int, int | None]]:
+    """The router: each request's (prefill instance, decode instance), the same on every rank (`Router`)."""
+    router = Router(layout, decode_token_cost)
     return [router.route(prompt, new) for prompt, new in zip(prompt_lens, max_tokens)]
 
 
 class Router:
     """The router one request at a time (requests arrive as the engine is fed): the same answer on
-    every rank, since every rank sees the same requests in the same order (`route_requests`)."""
+    every rank, since every rank sees the same requests in the same order (`route_requests`). In
+    arrival order, the prefill instance with the fewest pending prompt tokens and the decode instance
+    with the least KV promised (prompt + max_tokens); ties to the lower index.
 
-    def __init__(self, layout: DisaggLayout):
-        self.pending = [0] * layout.count("prefill")
-        self.promised = [0] * layout.count("decode")
+    With `decode_token_cost` r > 0 a prefill instance also serves whole requests (prefill and decode)
+    while it has less work routed to it than the decode instance would: work counted in prompt tokens,
+    an output token as r of them. Handing a request over adds its prompt to the prefill side and r x
+    its output to the decode side; serving it whole adds both to the prefill side; the two sides'
+    larger total is smaller served whole exactly when the prefill side's work plus the prompt stays
+    below the decode side's. Without it, a prefill instance idles once its prompts are done while its
+    decode instance still decodes them all."""
 
-    def route(self, prompt_len: int, max_tokens: int, handoff: bool = True) -> tuple[int, int]:
-        """`handoff=False`: the decode instance computes the prompt itself (no prefill instance's work)."""
+    def __init__(self, layout: DisaggLayout, decode_token_cost: float = 0.0):
+        self.cost = decode_token_cost
+        self.layout = layout
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was routed so far (every rank at the same point: a benchmark's warm-up)."""
+        self.pending = [0.0] * self.layout.count("prefill")
+        self.promised = [0] * self.layout.count("decode")
+        self.decoding = [0.0] * self.layout.count("decode")  # each decode instance's work, in prompt tokens
+
+    def route(self, prompt_len: int, max_tokens: int, handoff: bool = True) -> tuple[int, int | None]:
+        """`handoff=False`: the decode instance computes the prompt itself (no prefill instance's work).
+        The decode instance is None when the prefill instance serves the whole request."""
         p = min(range(len(self.pending)), key=lambda i: (self.pending[i], i))
         d = min(range(len(self.promised)), key=lambda i: (self.promised[i], i))
+        decode = self.cost * max_tokens
+        if handoff and self.cost > 0 and self.pending[p] + prompt_len < self.decoding[d]:
+            self.pending[p] += prompt_len + decode
+            return p, None
         self.pending[p] += prompt_len if handoff else 0
         self.promised[d] += prompt_len + max_tokens
+        self.decoding[d] += decode + (0 if handoff else prompt_len)
         return p, d
 
 

@@ -47,7 +47,8 @@ class _Pending:
 
 
 class PrefillConnector(KVConnectorScheduler):
-    """Plans the sends of the requests a prefill instance finishes (every request it runs is a handoff)."""
+    """Plans the sends of the requests a prefill instance finishes: every request it runs is a handoff,
+    but those it was told to keep (served there whole)."""
 
     tiers = (REMOTE,)
 
@@ -55,6 +56,11 @@ class PrefillConnector(KVConnectorScheduler):
         self.block_size = block_size
         self.handoff_stats = HandoffStats()
         self._pending = _Pending()
+        self._kept: set[str] = set()
+
+    def keep(self, request_ids) -> None:
+        """These requests (a whole request's sequences) are served here: their KV goes nowhere."""
+        self._kept.update(request_ids)
 
     def num_matched_blocks(self, request: Request, hashes: list[BlockHash]) -> int:
         return 0
@@ -63,6 +69,9 @@ class PrefillConnector(KVConnectorScheduler):
         raise AssertionError("a prefill connector matches no block")
 
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        if request.request_id in self._kept:
+            self._kept.discard(request.request_id)
+            return
         # A handoff request ends by length after its one thrown-away token; anything else failed here.
         ok = request.status is RequestStatus.FINISHED_LENGTH
         if ok:

@@ -13,6 +13,7 @@ not implement instead of silently computing something else.
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
 from dataclasses import dataclass, field, replace
@@ -143,6 +144,11 @@ class EngineConfig:
     # Conditional disaggregation (NVIDIA Dynamo's max_local_prefill_length): a prompt of at most this many
     # tokens is computed by its decode instance, not handed over. 0: every prompt of 2+ tokens is.
     max_local_prefill_tokens: int = 0
+    # The reverse: a prefill instance also serves whole requests (prefill and decode, after the prompts
+    # it hands over) while the work routed to it stays below its decode instance's, an output token
+    # counted as this many prompt tokens (what one costs relative to a prompt token at the decode
+    # instance's batch size; parallel/disaggregated.py's Router). 0: a prefill instance only prefills.
+    decode_token_cost: float = 0.0
     load_format: str = "safetensors"  # "dummy": seeded random weights of the checkpoint's shapes (benchmarks)
     compile_backend: str = "inductor"  # torch.compile backend; "eager" traces without Inductor (debugging, tests)
     cuda_graphs: bool = True  # on CUDA with the Triton backend, replay captured graphs for decode-only steps
@@ -267,6 +273,9 @@ class EngineConfig:
         local = self.max_local_prefill_tokens
         if not isinstance(local, numbers.Integral) or isinstance(local, bool) or local < 0:
             raise ValueError(f"max_local_prefill_tokens must be an integer >= 0, got {local!r}")
+        cost = self.decode_token_cost
+        if not isinstance(cost, numbers.Real) or isinstance(cost, bool) or not 0 <= cost < math.inf:
+            raise ValueError(f"decode_token_cost must be a finite number >= 0, got {cost!r}")
         if (self.prefill_instances > 0) != (self.decode_instances > 0):
             raise ValueError(f"prefill_instances {self.prefill_instances} and decode_instances {self.decode_instances}: "
                              "disaggregation needs at least one of each (or 0 and 0 to colocate)")
@@ -276,6 +285,8 @@ class EngineConfig:
                     raise ValueError(f"{name} needs prefill_instances and decode_instances")
             if self.max_local_prefill_tokens:
                 raise ValueError("max_local_prefill_tokens needs prefill_instances and decode_instances")
+            if self.decode_token_cost:
+                raise ValueError("decode_token_cost needs prefill_instances and decode_instances")
 
     def _check_kv_hierarchy(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_cache_size"):

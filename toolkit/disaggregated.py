@@ -18,8 +18,13 @@ Every rank is fed every request, in the same order (SPMD, as under TP), and the 
   alone; so is one the prefill side failed (READY with ok = 0), and one whose prompt is at most
   `max_local_prefill_tokens` long (conditional disaggregation: a short prompt costs the decode
   instance less than its handoff and the prefill instance's queue cost it).
-- At the end of a `generate` call the decode instances' outputs are gathered on global rank 0, which
-  first waits for every decode instance's DONE (their heartbeats tell a long decode from a hung one).
+- The reverse, with `decode_token_cost` > 0: the router gives a prefill instance some requests whole
+  (prefill and decode) while less work is routed to it than to the decode instance. They enter its
+  engine once no handed-over prompt waits at its door, so their decodes come after the prompts it
+  hands over (which are what its decode instances wait for), and their outputs are its own.
+- At the end of a `generate` call the outputs of the instances that serve requests (every decode
+  instance; a prefill instance too with `decode_token_cost`) are gathered on global rank 0, which first
+  waits for every decode instance's DONE (their heartbeats tell a long decode from a hung one).
 """
 
 from __future__ import annotations
@@ -64,16 +69,26 @@ class RoleTimes:
     def as_dict(self) -> dict:
         return {name: percentiles(getattr(self, name)) for name in ("queue", "ttft", "tpot")}
 
+    def record(self, out, ready: float) -> None:
+        """A served request's: its wait from `ready` (when it could run) to its first step, TTFT, TPOT."""
+        m = out.metrics
+        self.queue.append((m.first_scheduled_time or m.finished_time) - ready)
+        if m.first_token_time is not None:
+            self.ttft.append(m.first_token_time - m.arrival_time)
+            tokens = max(len(c.token_ids) for c in out.outputs)
+            if tokens > 1:
+                self.tpot.append((m.finished_time - m.first_token_time) / (tokens - 1))
+
 
 class _Role:
     """What both roles share: routing every request, the KV worker, stats. A role is the engine core's
     hooks (engine/build.py's NoHooks is the colocated engine's): it takes the requests routed to its
     instance, and works before and after the core's own step."""
 
-    def __init__(self, disagg: Disaggregation, max_local_prefill: int = 0):
+    def __init__(self, disagg: Disaggregation, max_local_prefill: int = 0, decode_token_cost: float = 0.0):
         self.disagg = disagg
         self.max_local_prefill = max_local_prefill
-        self.router = Router(disagg.layout)
+        self.router = Router(disagg.layout, decode_token_cost)
         self.waiter = SendWaiter()
         self.control = ControlPlane(disagg, self.waiter)
         self.times = RoleTimes()
@@ -86,8 +101,9 @@ class _Role:
     def role(self) -> str:
         return self.disagg.role
 
-    def route(self, prompt_len: int, max_tokens: int, handoff: bool) -> tuple[int, int, int]:
-        """(seq, prefill instance, decode instance) of the next request fed to the job."""
+    def route(self, prompt_len: int, max_tokens: int, handoff: bool) -> tuple[int, int, int | None]:
+        """(seq, prefill instance, decode instance) of the next request fed to the job; the decode
+        instance is None when the prefill instance serves it whole."""
         p, d = self.router.route(prompt_len, max_tokens, handoff)
         self._seq += 1
         return self._seq, p, d
@@ -111,9 +127,11 @@ class _Role:
                 "handoff": self.connector.stats(), "kv": self.worker.stats.as_dict(), **self.times.as_dict()}
 
     def reset_times(self) -> None:
-        """Forget the per-request latencies and transfer times so far (a benchmark's warm-up)."""
+        """Forget the per-request latencies and transfer times so far, and the router's loads (a
+        benchmark's warm-up: every rank calls it at the same point, so their routers still agree)."""
         self.times = RoleTimes()
         self.worker.stats.seconds.clear()
+        self.router.reset()
 
     def metrics(self) -> list:
         labels = {"role": self.role, "instance": str(self.disagg.instance.index)}
@@ -137,12 +155,16 @@ class _Role:
 
 class PrefillRole(_Role):
     def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64,
-                 max_local_prefill: int = 0):
-        super().__init__(disagg, max_local_prefill)
+                 max_local_prefill: int = 0, decode_token_cost: float = 0.0):
+        super().__init__(disagg, max_local_prefill, decode_token_cost)
         self.backlog = backlog
         self.block_size = block_size
         self._blocks: dict[str, int] = {}  # request id -> blocks of KV it sends (READY says so)
         self._door: deque = deque()  # Engine._add_request's arguments of requests waiting for room
+        self._whole: deque = deque()  # the same, of requests served here whole, until the door is empty
+        self._served: set[str] = set()  # requests served here whole, until they finish
+        self.served_times = RoleTimes()
+        self.served_count = 0
         self.connector = PrefillConnector(block_size)
         self.worker = KVSender(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__,
                                self.waiter)
@@ -157,7 +179,14 @@ class PrefillRole(_Role):
         seq, p, d = self.route(len(prompt_token_ids), params.max_tokens or engine.max_model_len, handoff)
         if self.disagg.rank == 0 and not self._call_open:  # the first request of a call
             self._open_call()
-        if p != self.disagg.instance.index or not handoff:
+        if p != self.disagg.instance.index:
+            return
+        if d is None:  # served here whole; TTFT counts from now, not from when it enters the engine
+            self._served.add(request_id)
+            arrival = time.monotonic() if arrival_time is None else arrival_time
+            self._whole.append((request_id, prompt_token_ids, params, prompt, priority, arrival, cache_salt))
+            return
+        if not handoff:
             return
         self._tags[request_id] = seq
         self._peers[request_id] = self.disagg.instances("decode")[d]
@@ -168,9 +197,17 @@ class PrefillRole(_Role):
 
     def before_step(self, engine) -> None:
         """Let in waiting requests while the instance holds fewer than `backlog` (in the engine, or
-        staged for sending)."""
-        if not self._door:
-            return
+        staged for sending); then the requests served here whole, once none waits at the door: behind
+        the prompts it hands over in the scheduler's queue, so their decodes do not slow those."""
+        if self._door:
+            self._let_in(engine)
+        while self._whole and not self._door:
+            request_id = self._whole[0][0]
+            engine._add_request(*self._whole.popleft())
+            group = engine._groups.get(request_id)
+            self.connector.keep(group.children if group is not None else ())
+
+    def _let_in(self, engine) -> None:
         room = None
         if self.disagg.local_rank == 0:
             held = len(engine.outputs.groups) + self.worker.staged_requests()
@@ -187,8 +224,16 @@ class PrefillRole(_Role):
             engine._add_request(*self._door.popleft())
 
     def after_step(self, engine, finished: list) -> list:
-        for out in finished:  # the handoff requests' own outputs are nobody's
+        served = []
+        for out in finished:
             m = out.metrics
+            if out.request_id in self._served:
+                self._served.discard(out.request_id)
+                self.served_count += 1
+                served.append(out)
+                self.served_times.record(out, m.arrival_time)
+                continue
+            # The handoff requests' own outputs are nobody's.
             self.times.queue.append((m.first_scheduled_time or m.finished_time) - m.arrival_time)
             self.times.ttft.append(m.finished_time - m.arrival_time)  # the KV ready to send
         self._ship(engine)
@@ -197,7 +242,7 @@ class PrefillRole(_Role):
         if not engine._groups:
             self.worker.stalled()
             self._idle()
-        return []
+        return served
 
     def _open_call(self) -> None:
         self._call_open = True
@@ -224,23 +269,40 @@ class PrefillRole(_Role):
         self.worker.poll()
 
     def has_unfinished(self, engine, busy: bool) -> bool:
-        return busy or self.worker.poll() > 0 or bool(self._door) or self.connector.has_outcomes
+        return busy or self.worker.poll() > 0 or bool(self._door) or bool(self._whole) or self.connector.has_outcomes
 
     def abort(self, engine, request_id: str) -> None:
         """A request still at the door leaves it uncomputed, and its decode instance is told (READY with
-        ok = 0) at the next step; one in the engine is the engine's to abort (its READY says failed)."""
+        ok = 0) at the next step; one served here whole and not in the engine yet is dropped; one in
+        the engine is the engine's to abort (a handed-over one's READY says failed)."""
         for i, args in enumerate(self._door):
             if args[0] == request_id:
                 del self._door[i]
                 self.connector.refuse(request_id)
                 return
+        for i, args in enumerate(self._whole):
+            if args[0] == request_id:
+                del self._whole[i]
+                self._served.discard(request_id)
+                return
 
     def serves(self, request_id: str) -> bool:
-        return False  # a prefill instance returns no output
+        """Whether this instance returns the request's output: one it serves whole (with decode_token_cost)."""
+        return request_id in self._served
 
     @property
     def num_awaited(self) -> int:
-        return 0
+        """Requests served here whole that wait for the door to empty."""
+        return len(self._whole)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "served": {"requests": self.served_count, **self.served_times.as_dict()}}
+
+    def reset_times(self) -> None:
+        """Also the count of requests served whole (a benchmark's warm-up serves some)."""
+        super().reset_times()
+        self.served_times = RoleTimes()
+        self.served_count = 0
 
     def finish_call(self, engine) -> None:
         """Global rank 0 waits for every decode instance's DONE before the outputs' gather."""
@@ -263,8 +325,8 @@ class PrefillRole(_Role):
 
 class DecodeRole(_Role):
     def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, ahead: int = 64,
-                 max_local_prefill: int = 0):
-        super().__init__(disagg, max_local_prefill)
+                 max_local_prefill: int = 0, decode_token_cost: float = 0.0):
+        super().__init__(disagg, max_local_prefill, decode_token_cost)
         self.connector = DecodeConnector(block_size)
         self.worker = KVReceiver(kv_caches, disagg, num_kv_heads, self._peers.__getitem__, self._tags.__getitem__,
                                  ahead=ahead)
@@ -281,7 +343,7 @@ class DecodeRole(_Role):
                     arrival_time, cache_salt) -> None:
         handoff = self.handoff(prompt_token_ids, params)
         seq, p, d = self.route(len(prompt_token_ids), params.max_tokens or engine.max_model_len, handoff)
-        if d != self.disagg.instance.index:
+        if d is None or d != self.disagg.instance.index:
             return
         self._served.add(request_id)
         args = (request_id, prompt_token_ids, params, prompt, priority, arrival_time, cache_salt)
@@ -311,14 +373,7 @@ class DecodeRole(_Role):
     def after_step(self, engine, finished: list) -> list:
         for out in finished:
             self._served.discard(out.request_id)
-            m = out.metrics
-            ready = self._kv_ready.pop(out.request_id, m.arrival_time)
-            self.times.queue.append((m.first_scheduled_time or m.finished_time) - ready)
-            if m.first_token_time is not None:
-                self.times.ttft.append(m.first_token_time - m.arrival_time)
-                tokens = max(len(c.token_ids) for c in out.outputs)
-                if tokens > 1:
-                    self.times.tpot.append((m.finished_time - m.first_token_time) / (tokens - 1))
+            self.times.record(out, self._kv_ready.pop(out.request_id, out.metrics.arrival_time))
         if self.disagg.local_rank == 0:
             self.control.heartbeat()
         if not engine._groups:
@@ -405,18 +460,24 @@ class DecodeRole(_Role):
 
 
 def build_role(disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64,
-               max_local_prefill: int = 0) -> _Role:
+               max_local_prefill: int = 0, decode_token_cost: float = 0.0) -> _Role:
     if disagg.role == "prefill":
-        return PrefillRole(disagg, block_size, kv_caches, num_kv_heads, backlog, max_local_prefill)
-    return DecodeRole(disagg, block_size, kv_caches, num_kv_heads, ahead=backlog, max_local_prefill=max_local_prefill)
+        return PrefillRole(disagg, block_size, kv_caches, num_kv_heads, backlog, max_local_prefill, decode_token_cost)
+    return DecodeRole(disagg, block_size, kv_caches, num_kv_heads, ahead=backlog, max_local_prefill=max_local_prefill,
+                      decode_token_cost=decode_token_cost)
 
 
-def gather_decoded(disagg: Disaggregation, obj) -> list | None:
-    """One picklable object from each decode instance (its first rank), in instance order, on global
-    rank 0; None on every other rank. A collective of every rank."""
-    mine = obj if disagg.role == "decode" and disagg.local_rank == 0 else None
+def serving_roles(decode_token_cost: float) -> tuple[str, ...]:
+    """The roles whose instances return outputs: decode instances, and prefill ones that serve whole requests."""
+    return ("prefill", "decode") if decode_token_cost > 0 else ("decode",)
+
+
+def gather_served(disagg: Disaggregation, obj, roles: tuple[str, ...]) -> list | None:
+    """One picklable object from each instance of `roles` (its first rank), in the layout's order
+    (prefill instances first), on global rank 0; None on every other rank. A collective of every rank."""
+    mine = obj if disagg.role in roles and disagg.local_rank == 0 else None
     parts = [None] * dist.get_world_size() if disagg.rank == 0 else None
     dist.gather_object(mine, parts, dst=0, group=disagg.gather_group)
     if disagg.rank != 0:
         return None
-    return [parts[inst.ranks[0]] for inst in disagg.instances("decode")]
+    return [parts[inst.ranks[0]] for inst in disagg.layout.instances if inst.role in roles]

@@ -10,7 +10,8 @@ server ask it and nothing else about the job's layout:
   replica is fed its token-balanced share and its first rank speaks for it (parallel/data_parallel.py).
 - `DisaggregatedFront`: prefill and decode instances: every rank is fed every request (the roles'
   router picks each one's instances), and each decode instance's first rank speaks for what it
-  decoded, once global rank 0 has heard every decode instance finish (toolkit/disaggregated.py).
+  decoded (a prefill instance's too where it serves whole requests: `decode_token_cost`), once global
+  rank 0 has heard every decode instance finish (toolkit/disaggregated.py).
 """
 
 from __future__ import annotations
@@ -55,26 +56,29 @@ class ReplicaFront:
 
 
 class DisaggregatedFront:
-    progress = False  # a decode instance returns only its own requests
-    splits_lines = True  # each prompt is routed on its own, and decode instances write apart
+    progress = False  # an instance returns only its own requests
+    splits_lines = True  # each prompt is routed on its own, and instances write apart
 
     def __init__(self, role):
+        from toolkit.disaggregated import serving_roles
+
         self.role = role  # this rank's PrefillRole or DecodeRole
+        self.roles = serving_roles(role.router.cost)  # whose instances return outputs
 
     def share(self, costs: list[int]) -> list[int]:
         return list(range(len(costs)))
 
     @property
     def speaks(self) -> bool:
-        """Whether this rank's outputs are gathered (a decode instance's first rank)."""
-        return self.role.role == "decode" and self.role.disagg.local_rank == 0
+        """Whether this rank's outputs are gathered (the first rank of an instance that serves requests)."""
+        return self.role.role in self.roles and self.role.disagg.local_rank == 0
 
     def gather(self, obj) -> list | None:
-        """`obj` from each decode instance's first rank, in instance order, on global rank 0; None
-        elsewhere. A collective: every rank calls it."""
-        from toolkit.disaggregated import gather_decoded
+        """`obj` from the first rank of each instance that serves requests, in the layout's order, on
+        global rank 0; None elsewhere. A collective: every rank calls it."""
+        from toolkit.disaggregated import gather_served
 
-        return gather_decoded(self.role.disagg, obj)
+        return gather_served(self.role.disagg, obj, self.roles)
 
     def collect(self, engine, obj) -> list | None:
         """At the end of a call: `gather`, once global rank 0 has every decode instance's DONE."""

@@ -81,6 +81,12 @@ def disagg(
     max_local_prefill_tokens: Annotated[int, typer.Option(
         min=0, help="Disaggregated runs: prompts of at most this many tokens are computed by their decode "
                     "instance (conditional disaggregation); 0: every prompt is handed over.")] = 0,
+    decode_token_cost: Annotated[Optional[list[float]], typer.Option(
+        min=0.0, show_default=False,
+        help="Disaggregated runs: a prefill instance also serves whole requests while less work is routed to it "
+             "than to its decode instance, an output token counted as this many prompt tokens (about the ratio of "
+             "a decode step's time per token to a prefill step's); 0: a prefill instance only prefills. Repeat it "
+             "to run each layout once per value, beside the same colocated run. Default: 0.")] = None,
     speculative_config: Annotated[Optional[str], typer.Option(
         "--speculative-config", metavar="JSON",
         help="Also run each layout with this speculative_config on its decode instances (vLLM's dict as JSON, "
@@ -121,8 +127,10 @@ def disagg(
     worlds = [dp] if dp else sorted({p + d for p, d in layouts})
     systems = [(f"colocated (dp={n})", {"data_parallel_size": n}) for n in worlds]
     local = {"max_local_prefill_tokens": max_local_prefill_tokens} if max_local_prefill_tokens else {}
-    systems += [(f"disaggregated {p}:{d}", {"prefill_instances": p, "decode_instances": d, **local})
-                for p, d in layouts]
+    costs = decode_token_cost or [0.0]
+    systems += [(f"disaggregated {p}:{d}" + (f", decode token cost {c:g}" if c else ""),
+                 {"prefill_instances": p, "decode_instances": d, **local, **({"decode_token_cost": c} if c else {})})
+                for p, d in layouts for c in costs]
     if spec is not None:  # the same layouts, speculating on their decode instances
         systems += [(f"disaggregated {p}:{d} + {spec['method']}", {"prefill_instances": p, "decode_instances": d,
                                                                    "speculative_config": spec, **local})
@@ -135,6 +143,11 @@ def disagg(
     warm = [{"prompt_token_ids": source[:max(64, max_local_prefill_tokens + 1)], "output_len": 4, "arrival_s": 0.0}]
     if max_local_prefill_tokens > 1:
         warm.append({"prompt_token_ids": source[:max_local_prefill_tokens], "output_len": 4, "arrival_s": 0.0})
+    if any(costs):  # and one a prefill instance serves whole: after a long output, a short prompt
+        warm[0]["output_len"] = min(math.ceil((len(warm[0]["prompt_token_ids"]) + 32) / min(c for c in costs if c)) + 1,
+                                    common["max_model_len"] - len(warm[0]["prompt_token_ids"]))
+        warm.append({"prompt_token_ids": source[:max(16, max_local_prefill_tokens + 1)], "output_len": 4,
+                     "arrival_s": 0.0})
     results = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=False) as bar:
@@ -209,6 +222,10 @@ def role_line(role: dict) -> str:
     if role["role"] == "prefill":
         parts.append(f"KV ready p50/p99 {ms(role['ttft']['p50'])}/{ms(role['ttft']['p99'])} ms after arrival")
         parts.append(f"{kv['transfers']} prompts' KV sent, {kv['bytes'] / 2**20:.1f} MiB")
+        served = role["served"]
+        if served["requests"]:
+            parts.append(f"{served['requests']} served whole, TTFT p50 {ms(served['ttft']['p50'])} ms, "
+                         f"TPOT p50/p99 {ms(served['tpot']['p50'])}/{ms(served['tpot']['p99'])} ms")
     else:
         per = role["kv"]
         rate = kv["bytes"] / kv["seconds_total"] / 1e9 if kv["seconds_total"] else 0.0

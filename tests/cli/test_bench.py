@@ -730,12 +730,14 @@ def test_disagg_report_explains_differing_tokens_only_where_some_differ():
 
 
 def test_disagg_bench_runs_colocated_and_disaggregated_on_two_ranks_with_the_same_tokens(tiny, tmp_path):
-    """`toolkit bench disagg`: both systems as 2-process jobs; every request completes with its tokens
-    (float32, greedy: the same in both), and every prompt's KV went from the prefill to the decode
-    instance and is counted on both sides."""
+    """`toolkit bench disagg`: the systems as 2-process jobs; every request completes with its tokens
+    (float32, greedy: the same in all), and every prompt's KV went from the prefill to the decode
+    instance and is counted on both sides; with a decode token cost (the same layout again, beside the
+    same colocated run) the prefill instance serves some requests whole and hands over the rest."""
     report = tmp_path / "disagg.json"
     result = bench("disagg", "--model", tiny, "--num-requests", 6, "--long-prompts", 1, "--long-len", 40,
-                   "--short-len", 3, 9, "--output-len", 4, "--eager", "--dtype", "float32", "--json", report)
+                   "--short-len", 3, 9, "--output-len", 4, "--eager", "--dtype", "float32", "--json", report,
+                   "--decode-token-cost", 0, "--decode-token-cost", 4)
     assert result.exit_code == 0, result.output
     doc = json.loads(report.read_text())
     colocated, disagg = doc["systems"]["colocated (dp=2)"], doc["systems"]["disaggregated 1:1"]
@@ -746,6 +748,12 @@ def test_disagg_bench_runs_colocated_and_disaggregated_on_two_ranks_with_the_sam
     assert prefill["kv_run"]["transfers"] == decode["kv_run"]["transfers"] == 6
     assert prefill["kv_run"]["bytes"] == decode["kv_run"]["bytes"] > 0
     assert "TTFT p50" in result.output and "decode instance 0" in result.output
+    serving = doc["systems"]["disaggregated 1:1, decode token cost 4"]
+    assert serving["latency"]["completed"] == 6 and serving["requests_identical_to_colocated"] == 6
+    prefill, decode = (next(r for r in serving["roles"] if r["role"] == role) for role in ("prefill", "decode"))
+    served = prefill["served"]["requests"]
+    assert 0 < served < 6 and prefill["kv_run"]["transfers"] == decode["kv_run"]["transfers"] == 6 - served
+    assert f"{served} served whole" in result.output
     bad = bench("latency", "--model", tiny, "--variant", '{"prefill_instances": 1, "decode_instances": 1}', *QUICK)
     assert bad.exit_code == 2 and "toolkit bench disagg" in bad.output
     assert bench("disagg", "--model", tiny, "--layout", "1-1").exit_code == 2

@@ -42,7 +42,7 @@ from tests.parallel.worker import sampled_report
 from tests.speculative.checkpoints import write_perturbed_draft
 from toolkit import LLM, SamplingParams
 from toolkit.parallel import ParallelConfigError
-from toolkit.parallel.disaggregated import DisaggLayout, HeadRoute, route_requests, transfer_plan
+from toolkit.parallel.disaggregated import DisaggLayout, HeadRoute, Router, route_requests, transfer_plan
 from toolkit.parallel.tensor_parallel import kv_heads
 
 WORKER = REPO / "tests" / "parallel" / "disagg_worker.py"
@@ -138,6 +138,28 @@ def test_router_balances_pending_prompt_tokens_and_promised_kv():
     assert [d for _, d in got] == [0, 1, 0, 0]
 
 
+def test_the_router_gives_a_prefill_instance_whole_requests_while_less_work_is_routed_to_it():
+    """decode_token_cost 2: a 100-token prompt is 100 units of prefill work, its 100 output tokens 200
+    of decode work. The first two are handed over (the prefill side's 100 + 100 is not below the decode
+    side's 0, then 200); the third, 200 + 100 < 400, is served whole (prefill side 500); the fourth is
+    handed over (600 >= 400). A prompt the decode side computes (handoff=False) is never whole."""
+    layout = DisaggLayout(1, 1)
+    got = route_requests([100] * 4, [100] * 4, layout, decode_token_cost=2.0)
+    assert got == [(0, 0), (0, 0), (0, None), (0, 0)]
+    assert route_requests([100] * 4, [100] * 4, layout) == [(0, 0)] * 4  # 0: a prefill instance only prefills
+    router = Router(layout, decode_token_cost=2.0)
+    assert [router.route(10, 1000, handoff=False) for _ in range(3)] == [(0, 0)] * 3
+    assert router.route(10, 1000) == (0, None)  # the decode side has all the work: this one is served whole
+    # Decoding dearer, more whole: the share served whole grows with the cost, from none.
+    lens, outs = random_prompt_lens(64), [128] * 64
+    whole = [sum(d is None for _, d in route_requests(lens, outs, layout, cost)) for cost in (0, 3, 8, 100)]
+    assert whole[0] == 0 and all(a < b for a, b in zip(whole, whole[1:])) and whole[-1] < 64, whole
+
+
+def random_prompt_lens(count: int) -> list[int]:
+    return [len(p) for p in random_prompts(count, seed=3, low=16, high=512)]
+
+
 def test_a_launch_that_does_not_match_the_layout_or_a_role_that_cannot_split_the_model_fails_before_loading(
         tmp_path):
     from toolkit import LLM
@@ -194,7 +216,8 @@ def composed(case) -> list[dict]:
     ranks (all-to-all), the TP-1 prefill instance holds them all; and the decode instance as two
     data-parallel replicas splitting the experts between them, stepping in lockstep (a dense model's
     replicas are routed apart and step alone, here with prompts of up to 17 tokens computed on the
-    decode side: conditional disaggregation). Weight-only int8 on 1 prefill + 2 decode instances (one
+    decode side: conditional disaggregation). The tp=2 prefill instance serving some requests whole
+    (decode_token_cost), their outputs gathered from it. Weight-only int8 on 1 prefill + 2 decode instances (one
     rank each), against the single int8 process. Priority scheduling (later prompts first) on both
     instances, under the small decode cache. (Loading requests in another order than their KV was
     sent in is checked on the data plane: test_kv_blocks_move_between_instances_resplit_across_tp_sizes.)"""
@@ -204,6 +227,7 @@ def composed(case) -> list[dict]:
             {**P1_D2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
             {**P1_D_DP2, **UNCHUNKED, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
             {**P1_D_DP2, "model": llama, "max_local_prefill_tokens": 17},
+            {**P2_D1, "model": llama, "decode_token_cost": 4.0},
             {"prefill_instances": 1, "decode_instances": 2, "model": llama, "quantization": "int8"},
             {**P1_D2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
             {**small, "kv_offloading_size": TIER_GIB},
@@ -287,7 +311,10 @@ def check_runs(case, reports: list[dict], runs: int) -> None:
         # (conditional disaggregation: prompts up to max_local_prefill_tokens stay on the decode side)
         local = max(1, run["layout"].get("max_local_prefill_tokens", 0))
         handed = sum(len(p) > local for p in json.loads(case.prompts.read_text()))
-        assert sent == received == handed * (2 if run["sampled"] is not None else 1), (where, roles)
+        # (decode_token_cost: the prefill instance serves some requests whole, and returns their outputs)
+        served = sum(d["served"]["requests"] for d in roles if d["role"] == "prefill" and d["local_rank"] == 0)
+        assert (served > 0) == ("decode_token_cost" in run["layout"]), (where, roles)
+        assert sent == received == handed * (2 if run["sampled"] is not None else 1) - served, (where, roles)
         assert all(d["handoff"]["failed"] == d["handoff"]["dropped"] == 0 for d in roles), (where, roles)
         assert all("toolkit:disagg_kv_bytes" in r["runs"][i]["metrics"] for r in reports)
         # Prefix caching works on the prefill side: the sampled run finds every prompt's full blocks.

@@ -4,7 +4,8 @@ relaunches itself as two processes (three) (gloo on CPU), rank 0 serves HTTP and
 requests and aborts to the other rank; with --dp each request goes to one replica, whose news rank 0
 gathers after each step (both replicas serve some: their routed counts; the KV gauges count both
 replicas' blocks); disaggregated, rank 0 is the prefill instance and gathers the decode instance's
-news.
+news (with --decode-token-cost it serves some requests whole too: its own news beside the decode
+instance's, and a disconnect of one of them aborts it there).
 
 Oracle: `LLM.generate` in one process on the same checkpoint: greedy text streamed and not, a list
 of prompts, seeded n=2. A client that disconnects mid-stream aborts on both ranks (every block free
@@ -46,12 +47,14 @@ def llm(ckpt):
 @pytest.fixture(scope="module", params=[["--tp", 2], ["--pp", 2], ["--dp", 2],
                                         ["--prefill-instances", 1, "--decode-instances", 1],
                                         ["--prefill-instances", 1, "--decode-instances", 1, "--pp", 2, "--prefill-pp", 1],
-                                        ["--prefill-instances", 1, "--decode-instances", 1, "--dp", 2]],
-                ids=["tp2", "pp2", "dp2", "1p1d", "1p1d-decode-pp2", "1p1d-decode-dp2"])
+                                        ["--prefill-instances", 1, "--decode-instances", 1, "--dp", 2],
+                                        ["--prefill-instances", 1, "--decode-instances", 1, "--decode-token-cost", 4]],
+                ids=["tp2", "pp2", "dp2", "1p1d", "1p1d-decode-pp2", "1p1d-decode-dp2", "1p1d-prefill-serves"])
 def server(request, ckpt):
     server = Server(ckpt, *FLAGS, *request.param, "--served-model-name", "tiny", env={"OMP_NUM_THREADS": "1"})
     server.replicas = 2 if request.param[0] == "--dp" else 1  # colocated replicas (a decode instance's are routed apart)
     server.disaggregated = request.param[0] == "--prefill-instances"
+    server.prefill_serves = "--decode-token-cost" in request.param
     yield server
     code, stderr = server.stop()
     assert code == 0, stderr[-4000:]
@@ -83,6 +86,9 @@ def test_answers_equal_the_single_process(server, llm):
     sent = [v for (name, labels), v in metrics.items() if name == "toolkit:disagg_kv_transfers_total"
             and ("role", "prefill") in labels]
     assert (sum(sent) > 0) == server.disaggregated, metrics
+    # --decode-token-cost: the prefill instance answered some of the requests whole (not handed over).
+    finished = sum(v for (name, _), v in metrics.items() if name == "toolkit:request_success_total")
+    assert (sum(sent) < finished) == server.prefill_serves, (sent, finished)
     if server.replicas > 1:  # each replica has the single process's memory and blocks
         assert metrics[("toolkit:kv_cache_blocks", ())] == llm.engine.scheduler.kv_cache.num_blocks * server.replicas
 

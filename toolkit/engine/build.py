@@ -88,7 +88,7 @@ def build_engine(config: EngineConfig) -> SimpleNamespace:
         from toolkit.disaggregated import build_role
 
         hooks = build_role(disagg, config.block_size, runner.kv_caches, mc.num_kv_heads, config.prefill_backlog,
-                           config.max_local_prefill_tokens)
+                           config.max_local_prefill_tokens, config.decode_token_cost)
         kv_mover = combine_kv_movers(kv_tiers, hooks)
     scheduler = Scheduler(_scheduler_config(config, kv, speculator, kv_tiers), kv_mover.connector if kv_mover else None)
     worker = Worker(runner, sampler, scheduler, kv_mover or None, speculator, holds_logits)

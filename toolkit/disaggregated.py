@@ -210,7 +210,9 @@ class PrefillRole(_Role):
     def _let_in(self, engine) -> None:
         room = None
         if self.disagg.local_rank == 0:
-            held = len(engine.outputs.groups) + self.worker.staged_requests()
+            # The handed-over requests it holds: in the engine (but those served here whole) or staged.
+            whole = len(self._served) - len(self._whole)
+            held = len(engine.outputs.groups) - whole + self.worker.staged_requests()
             room = max(0, self.backlog - held)
             stats = self.connector.handoff_stats
             stats.max_backlog = max(stats.max_backlog, held + min(room, len(self._door)))
@@ -283,8 +285,8 @@ class PrefillRole(_Role):
         for i, args in enumerate(self._whole):
             if args[0] == request_id:
                 del self._whole[i]
-                self._served.discard(request_id)
-                return
+                break
+        self._served.discard(request_id)  # (one in the engine ends there, and no step returns it)
 
     def serves(self, request_id: str) -> bool:
         """Whether this instance returns the request's output: one it serves whole (with decode_token_cost)."""

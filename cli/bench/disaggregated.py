@@ -128,13 +128,12 @@ def disagg(
     systems = [(f"colocated (dp={n})", {"data_parallel_size": n}) for n in worlds]
     local = {"max_local_prefill_tokens": max_local_prefill_tokens} if max_local_prefill_tokens else {}
     costs = decode_token_cost or [0.0]
-    systems += [(f"disaggregated {p}:{d}" + (f", decode token cost {c:g}" if c else ""),
-                 {"prefill_instances": p, "decode_instances": d, **local, **({"decode_token_cost": c} if c else {})})
-                for p, d in layouts for c in costs]
-    if spec is not None:  # the same layouts, speculating on their decode instances
-        systems += [(f"disaggregated {p}:{d} + {spec['method']}", {"prefill_instances": p, "decode_instances": d,
-                                                                   "speculative_config": spec, **local})
-                    for p, d in layouts]
+    for speculating in ([False, True] if spec is not None else [False]):  # then the same, speculating
+        systems += [(f"disaggregated {p}:{d}" + (f" + {spec['method']}" if speculating else "")
+                     + (f", decode token cost {c:g}" if c else ""),
+                     {"prefill_instances": p, "decode_instances": d, **local, **({"decode_token_cost": c} if c else {}),
+                      **({"speculative_config": spec} if speculating else {})})
+                    for p, d in layouts for c in costs]
     # Warm-up requests that reach every instance's graphs before the timing: one a prefill instance
     # computes (longer than max_local_prefill_tokens) and, with conditional disaggregation, one its
     # decode instance computes itself. (With only a 64-token one, N >= 64 left the prefill rank to

@@ -211,23 +211,23 @@ def composed(case) -> list[dict]:
     of up to 13 tokens are computed on the decode side (max_local_prefill_tokens), queued there from
     the start: together they grow to 7 blocks, so the decode side preempts whatever the handoff's
     timing (handed-over requests arriving one by one could each finish before the next came). The n-gram layout's prefill
-    instance (tp=2) holds one request at a time (prefill_backlog=1): the rest wait at its door. A MoE
+    instance (tp=2) holds one handed-over request at a time (prefill_backlog=1): the rest wait at its
+    door; it also serves some requests whole (decode_token_cost), speculating for them itself, and
+    their outputs are gathered from it. A MoE
     model (mixtral) with expert parallelism: the TP-2 decode instance splits the experts over its two
     ranks (all-to-all), the TP-1 prefill instance holds them all; and the decode instance as two
     data-parallel replicas splitting the experts between them, stepping in lockstep (a dense model's
     replicas are routed apart and step alone, here with prompts of up to 17 tokens computed on the
-    decode side: conditional disaggregation). The tp=2 prefill instance serving some requests whole
-    (decode_token_cost), their outputs gathered from it. Weight-only int8 on 1 prefill + 2 decode instances (one
+    decode side: conditional disaggregation). Weight-only int8 on 1 prefill + 2 decode instances (one
     rank each), against the single int8 process. Priority scheduling (later prompts first) on both
     instances, under the small decode cache. (Loading requests in another order than their KV was
     sent in is checked on the data plane: test_kv_blocks_move_between_instances_resplit_across_tp_sizes.)"""
     llama = str(case.paths["llama3"])
     small = {**P2_D1, "model": llama, "kv_cache_memory_bytes": 6 * BLOCK}
-    return [{**P2_D1, "model": llama, "speculative_config": NGRAM, "prefill_backlog": 1},
+    return [{**P2_D1, "model": llama, "speculative_config": NGRAM, "prefill_backlog": 1, "decode_token_cost": 4.0},
             {**P1_D2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
             {**P1_D_DP2, **UNCHUNKED, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
             {**P1_D_DP2, "model": llama, "max_local_prefill_tokens": 17},
-            {**P2_D1, "model": llama, "decode_token_cost": 4.0},
             {"prefill_instances": 1, "decode_instances": 2, "model": llama, "quantization": "int8"},
             {**P1_D2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
             {**small, "kv_offloading_size": TIER_GIB},
@@ -330,9 +330,9 @@ def check_composed(layout: dict, runs: list[dict], roles: list[dict], where: str
     for run, role in zip(runs, roles):
         # Where the logits are: a decode instance's last stage's first rank.
         samples_here = role["role"] == "decode" and role["stage"] == role["pp"] - 1 and role["tp_rank"] == 0
-        if "speculative_config" in layout:  # on the decode instance alone; the draft model where the logits are
-            spec = run["spec_decode"]
-            assert (spec is not None) == (role["role"] == "decode"), (where, role)
+        if "speculative_config" in layout:  # on the decode instance alone (and a prefill instance serving
+            spec = run["spec_decode"]       # requests whole); the draft model where the logits are
+            assert (spec is not None) == (role["role"] == "decode" or "decode_token_cost" in layout), (where, role)
             assert spec is None or spec["num_drafts"] > 0, (where, role)
             drafts_here = layout["speculative_config"]["method"] == "draft_model" and samples_here
             assert run["draft_runner"] == drafts_here, (where, role)

@@ -113,7 +113,9 @@ def _join(config: EngineConfig, mc):
         # This rank's instance is an ordinary engine of its own shape from here on.
         config = dataclasses.replace(config, tensor_parallel_size=disagg.instance.tp,
                                      pipeline_parallel_size=disagg.instance.pp, data_parallel_size=disagg.instance.dp)
-        if disagg.role == "prefill":  # its one thrown-away token needs no drafts: speculation is the decode side's
+        if disagg.role == "prefill" and not config.decode_token_cost:
+            # Its one thrown-away token needs no drafts: speculation is the decode side's (and, where it
+            # serves requests whole, its own for those).
             config = dataclasses.replace(config, speculative_config=None)
         return parallel, disagg, config
     dims = ParallelDims(dp=config.data_parallel_size, pp=config.pipeline_parallel_size,

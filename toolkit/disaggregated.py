@@ -300,6 +300,11 @@ class PrefillRole(_Role):
     def stats(self) -> dict:
         return {**super().stats(), "served": {"requests": self.served_count, **self.served_times.as_dict()}}
 
+    def metrics(self) -> list:
+        labels = {"role": self.role, "instance": str(self.disagg.instance.index)}
+        served = [Counter("toolkit:disagg_served_whole_requests", labels, self.served_count)] if self.router.cost else []
+        return super().metrics() + served
+
     def reset_times(self) -> None:
         """Also the count of requests served whole (a benchmark's warm-up serves some)."""
         super().reset_times()

@@ -159,12 +159,12 @@ def test_parallel_runs_match_single_process_within_a_memory_budget(case, tmp_pat
 DISAGGREGATED = ["--prefill-instances", "1", "--decode-instances", "1"]
 
 
-@pytest.mark.parametrize("shape", [[], ["--pp", "2", "--prefill-pp", "1"], ["--dp", "2"], ["--decode-token-cost", "4"]],
-                         ids=["1p1d", "1p1d-decode-pp2", "1p1d-decode-dp2", "1p1d-prefill-serves"])
+@pytest.mark.parametrize("shape", [["--decode-token-cost", "4"], ["--pp", "2", "--prefill-pp", "1"], ["--dp", "2"]],
+                         ids=["1p1d-prefill-serves", "1p1d-decode-pp2", "1p1d-decode-dp2"])
 def test_prefill_and_decode_instances_match_single_process(case, tmp_path, shape):
-    """Text prompts tokenized on every rank, prefilled on one process, decoded on the other (or on a
-    two-stage pipeline, whose first rank writes the shard; or on two replicas, each writing a shard;
-    or, with --decode-token-cost, some served whole by the prefill process, which writes a shard too),
+    """Text prompts tokenized on every rank, prefilled on one process, decoded on the other (on a
+    two-stage pipeline, whose first rank writes the shard; on two replicas, each writing a shard; or,
+    with --decode-token-cost, some served whole by the prefill process, which writes a shard too),
     whose shards are merged into OUT; the summary says what KV crossed over."""
     ckpt, prompts, expected = case
     out = tmp_path / "out.jsonl"

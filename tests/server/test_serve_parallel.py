@@ -1,11 +1,12 @@
-"""`toolkit serve --tp 2`, `--pp 2`, `--dp 2` and one prefill + one decode instance (also one whose
-decode instance is a two-stage pipeline, and one whose decode instance is two replicas): the command
+"""`toolkit serve --tp 2`, `--pp 2`, `--dp 2` and one prefill + one decode instance (one whose prefill
+instance also serves some requests whole, one whose decode instance is a two-stage pipeline, and one
+whose decode instance is two replicas): the command
 relaunches itself as two processes (three) (gloo on CPU), rank 0 serves HTTP and hands each step's new
 requests and aborts to the other rank; with --dp each request goes to one replica, whose news rank 0
 gathers after each step (both replicas serve some: their routed counts; the KV gauges count both
 replicas' blocks); disaggregated, rank 0 is the prefill instance and gathers the decode instance's
-news (with --decode-token-cost it serves some requests whole too: its own news beside the decode
-instance's, and a disconnect of one of them aborts it there).
+news (with --decode-token-cost its own news too, for the requests it served whole: handed over and
+served whole add up to every finished request).
 
 Oracle: `LLM.generate` in one process on the same checkpoint: greedy text streamed and not, a list
 of prompts, seeded n=2. A client that disconnects mid-stream aborts on both ranks (every block free
@@ -45,11 +46,10 @@ def llm(ckpt):
 
 
 @pytest.fixture(scope="module", params=[["--tp", 2], ["--pp", 2], ["--dp", 2],
-                                        ["--prefill-instances", 1, "--decode-instances", 1],
+                                        ["--prefill-instances", 1, "--decode-instances", 1, "--decode-token-cost", 4],
                                         ["--prefill-instances", 1, "--decode-instances", 1, "--pp", 2, "--prefill-pp", 1],
-                                        ["--prefill-instances", 1, "--decode-instances", 1, "--dp", 2],
-                                        ["--prefill-instances", 1, "--decode-instances", 1, "--decode-token-cost", 4]],
-                ids=["tp2", "pp2", "dp2", "1p1d", "1p1d-decode-pp2", "1p1d-decode-dp2", "1p1d-prefill-serves"])
+                                        ["--prefill-instances", 1, "--decode-instances", 1, "--dp", 2]],
+                ids=["tp2", "pp2", "dp2", "1p1d-prefill-serves", "1p1d-decode-pp2", "1p1d-decode-dp2"])
 def server(request, ckpt):
     server = Server(ckpt, *FLAGS, *request.param, "--served-model-name", "tiny", env={"OMP_NUM_THREADS": "1"})
     server.replicas = 2 if request.param[0] == "--dp" else 1  # colocated replicas (a decode instance's are routed apart)

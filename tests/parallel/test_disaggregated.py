@@ -403,17 +403,19 @@ def test_pipelined_instances_give_the_single_process_outputs(case, tmp_path):
     """One launch of 4 processes: prefill tp2 -> decode pp2 and prefill pp2 -> decode tp2 for both
     families (chunked prefill), greedy and seeded sampling against the single process, then half the
     requests aborted; with them, draft-model speculation on the pp2 decode instance (the draft on its
-    last stage, unchunked) and mixtral with expert parallelism inside the tp2 prefill instance (the
-    decode stages each hold all experts of their layer)."""
+    last stage, unchunked), mixtral with expert parallelism inside the tp2 prefill instance (the
+    decode stages each hold all experts of their layer), and the pp2 prefill instance serving some
+    requests whole (decode_token_cost: it decodes them through its own two stages)."""
     llama = str(case.paths["llama3"])
     layouts = [P_TP2_D_PP2, P_PP2_D_TP2,
                {**P_TP2_D_PP2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
-               {**P_TP2_D_PP2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True}]
+               {**P_TP2_D_PP2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
+               {**P_PP2_D_TP2, "model": llama, "decode_token_cost": 4.0}]
     proc = torchrun(tmp_path, ["--nproc-per-node=4", "--standalone"],
                     engine_args(case, layouts, "--sampled", json.dumps(SAMPLED), "--abort-half"), script=ENGINE_WORKER)
     assert proc.returncode == 0, output_tail(proc)
     reports = read_reports(tmp_path, 4)
-    check_runs(case, reports, 2 * len(FAMILIES) + 2)
+    check_runs(case, reports, 2 * len(FAMILIES) + 3)
     check_aborted(case, reports)
     for i, run in enumerate(reports[0]["runs"]):  # each rank's cache holds its stage's layers alone
         layers = 3 if "mixtral" in run["model"] else 2

@@ -20,8 +20,8 @@ Every rank is fed every request, in the same order (SPMD, as under TP), and the 
   instance less than its handoff and the prefill instance's queue cost it).
 - The reverse, with `decode_token_cost` > 0: the router gives a prefill instance some requests whole
   (prefill and decode) while less work is routed to it than to the decode instance. They enter its
-  engine once no handed-over prompt waits at its door, so their decodes come after the prompts it
-  hands over (which are what its decode instances wait for), and their outputs are its own.
+  engine once no prompt fed before them waits at its door, so their decodes come after the prompts
+  it hands over (which are what its decode instances wait for), and their outputs are its own.
 - At the end of a `generate` call the outputs of the instances that serve requests (every decode
   instance; a prefill instance too with `decode_token_cost`) are gathered on global rank 0, which first
   waits for every decode instance's DONE (their heartbeats tell a long decode from a hung one).
@@ -161,7 +161,7 @@ class PrefillRole(_Role):
         self.block_size = block_size
         self._blocks: dict[str, int] = {}  # request id -> blocks of KV it sends (READY says so)
         self._door: deque = deque()  # Engine._add_request's arguments of requests waiting for room
-        self._whole: deque = deque()  # the same, of requests served here whole, until the door is empty
+        self._whole: deque = deque()  # (seq, the same) of requests served here whole, until their turn
         self._served: set[str] = set()  # requests served here whole, until they finish
         self.served_times = RoleTimes()
         self.served_count = 0
@@ -184,7 +184,7 @@ class PrefillRole(_Role):
         if d is None:  # served here whole; TTFT counts from now, not from when it enters the engine
             self._served.add(request_id)
             arrival = time.monotonic() if arrival_time is None else arrival_time
-            self._whole.append((request_id, prompt_token_ids, params, prompt, priority, arrival, cache_salt))
+            self._whole.append((seq, (request_id, prompt_token_ids, params, prompt, priority, arrival, cache_salt)))
             return
         if not handoff:
             return
@@ -197,14 +197,16 @@ class PrefillRole(_Role):
 
     def before_step(self, engine) -> None:
         """Let in waiting requests while the instance holds fewer than `backlog` (in the engine, or
-        staged for sending); then the requests served here whole, once none waits at the door: behind
-        the prompts it hands over in the scheduler's queue, so their decodes do not slow those."""
+        staged for sending); then the requests served here whole, once no prompt to hand over waits at
+        the door: behind those in the scheduler's queue, so their decodes do not slow the prompts a
+        decode instance waits for. A whole request fed before every prompt still at the door enters
+        anyway, so a door that never empties (a small backlog under steady load) cannot starve it."""
         if self._door:
             self._let_in(engine)
-        while self._whole and not self._door:
-            request_id = self._whole[0][0]
-            engine._add_request(*self._whole.popleft())
-            group = engine._groups.get(request_id)
+        while self._whole and (not self._door or self._whole[0][0] < self._tags[self._door[0][0]]):
+            _, args = self._whole.popleft()
+            engine._add_request(*args)
+            group = engine._groups.get(args[0])
             self.connector.keep(group.children if group is not None else ())
 
     def _let_in(self, engine) -> None:
@@ -282,7 +284,7 @@ class PrefillRole(_Role):
                 del self._door[i]
                 self.connector.refuse(request_id)
                 return
-        for i, args in enumerate(self._whole):
+        for i, (_, args) in enumerate(self._whole):
             if args[0] == request_id:
                 del self._whole[i]
                 break

@@ -207,8 +207,8 @@ DecodeTokenCostOpt = Annotated[float, typer.Option(
     "--decode-token-cost", min=0.0, rich_help_panel=PARALLEL,
     help="Disaggregated: a prefill instance also serves whole requests (prefill and decode, after the prompts "
          "it hands over) while less work is routed to it than to its decode instance, an output token counted "
-         "as this many prompt tokens (what decoding one costs against prefilling one at the decode side's batch "
-         "size: `toolkit bench disagg` shows both). 0: a prefill instance only prefills.")]
+         "as this many prompt tokens (about a decode step's time per token over a prefill step's; `toolkit bench "
+         "disagg --decode-token-cost A --decode-token-cost B` compares values). 0: a prefill instance only prefills.")]
 PrefillBacklogOpt = Annotated[int, typer.Option(
     "--prefill-backlog", min=1, rich_help_panel=PARALLEL,
     help="Requests a prefill instance holds at once, computing or with their KV waiting for the decode side; "

@@ -212,6 +212,8 @@ def test_disaggregation_flags_that_do_not_combine_fail_before_any_process_starts
     assert proc.returncode == 2 and "--prefill-instances 1 and --decode-instances 0" in proc.stderr
     proc = run_cli("-i", tmp_path / "x.txt", "-o", tmp_path / "o.jsonl", "--prefill-pp", "2")
     assert proc.returncode == 2 and "--prefill-pp needs --prefill-instances and --decode-instances" in proc.stderr
+    proc = run_cli("-i", tmp_path / "x.txt", "-o", tmp_path / "o.jsonl", "--decode-token-cost", "2")
+    assert proc.returncode == 2 and "--decode-token-cost needs --prefill-instances and --decode-instances" in proc.stderr
 
 
 @pytest.mark.parametrize("flags", [["--dp", "2"], DISAGGREGATED], ids=["dp", "disaggregated"])

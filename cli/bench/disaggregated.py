@@ -169,11 +169,12 @@ def disagg(
                 err.print(f"error: {e}", style="red", markup=False)
                 raise typer.Exit(1)
     for label, engine_args in systems[len(worlds):]:
-        # Greedy, EOS ignored: the same tokens as the colocated run, up to a float near-tie that
-        # other batch shapes can flip in low precision.
+        # Greedy, EOS ignored: the same tokens as the colocated run, up to a near-tie that other batch
+        # shapes (other kernels, other summation orders) can flip, often in low precision.
         p, d = engine_args["prefill_instances"], engine_args["decode_instances"]
         peer = results[f"colocated (dp={dp or p + d})"]["tokens"]
         results[label]["requests_identical_to_colocated"] = sum(a == b for a, b in zip(results[label]["tokens"], peer))
+        results[label]["first_differences"] = first_differences(results[label]["tokens"], peer)
     report = {"workload": workload_summary(requests, rate, long_len), "systems": results,
               "layouts": [f"{p}:{d}" for p, d in layouts]}
     for line in report_lines(report):
@@ -188,6 +189,17 @@ def workload_summary(requests: list[dict], rate: float, long_len: int) -> dict:
     return {"requests": len(requests), "prompt_tokens": prompt, "output_tokens": output,
             "prefill_to_decode_tokens": prompt / output, "rate": rate,
             "long_prompts": sum(len(r["prompt_token_ids"]) == long_len for r in requests)}
+
+
+def first_differences(tokens: list[list[int]], peer: list[list[int]]) -> list[list[int]]:
+    """[request, position of its first token that differs, the peer's token count] of each request whose
+    tokens differ from the peer's: a near-tie flips late in a sequence, a fault from its first tokens."""
+    out = []
+    for i, (got, want) in enumerate(zip(tokens, peer)):
+        if got != want:
+            at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            out.append([i, at, len(want)])
+    return out
 
 
 def report_lines(report: dict) -> list[str]:
@@ -205,10 +217,13 @@ def report_lines(report: dict) -> list[str]:
     for label, res in report["systems"].items():
         if "requests_identical_to_colocated" in res:
             same = res["requests_identical_to_colocated"]
+            where = ", ".join(f"request {i} from token {at} of {n}" for i, at, n in res.get("first_differences", [])[:5])
             lines.append(f"  {label}: {same} of {w['requests']} requests' tokens identical to the colocated run's"
                          + ("" if same == w["requests"] else
-                            " (in bf16 or fp16 a row's kernel path follows its step's batch shape, which differs "
-                            "between the two, so greedy near-ties can flip; in float32 every request should match)"))
+                            (f"; differing: {where}" if where else "")
+                            + " (a row's kernel path and summation order follow its step's batch shape, which differs "
+                            "between the two, so greedy near-ties can flip: often in bf16 or fp16, rarely in float32; "
+                            "a request differing from its first tokens would be a fault)"))
         for role in (r for r in res["roles"] if r and r["local_rank"] == 0):
             lines.append(f"  {label}, {role['role']} instance {role['instance']}: " + role_line(role))
     return lines

@@ -404,12 +404,14 @@ def test_pipelined_instances_give_the_single_process_outputs(case, tmp_path):
     families (chunked prefill), greedy and seeded sampling against the single process, then half the
     requests aborted; with them, draft-model speculation on the pp2 decode instance (the draft on its
     last stage, unchunked), mixtral with expert parallelism inside the tp2 prefill instance (the
-    decode stages each hold all experts of their layer), and the pp2 prefill instance serving some
-    requests whole (decode_token_cost: it decodes them through its own two stages)."""
+    decode stages each hold all experts of their layer; that prefill instance also serves some requests
+    whole, decoding them with its experts split over its two ranks), and the pp2 prefill instance
+    serving some requests whole (decode_token_cost: it decodes them through its own two stages)."""
     llama = str(case.paths["llama3"])
     layouts = [P_TP2_D_PP2, P_PP2_D_TP2,
                {**P_TP2_D_PP2, **UNCHUNKED, "model": llama, "speculative_config": case.drafted},
-               {**P_TP2_D_PP2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True},
+               {**P_TP2_D_PP2, "model": str(case.paths["mixtral"]), "enable_expert_parallel": True,
+                "decode_token_cost": 4.0},
                {**P_PP2_D_TP2, "model": llama, "decode_token_cost": 4.0}]
     proc = torchrun(tmp_path, ["--nproc-per-node=4", "--standalone"],
                     engine_args(case, layouts, "--sampled", json.dumps(SAMPLED), "--abort-half"), script=ENGINE_WORKER)

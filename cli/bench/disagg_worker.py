@@ -53,6 +53,7 @@ def main(spec_path: str) -> None:
         duration = max(part["elapsed_s"] for part in parts)
         outputs = {rid: t for part in parts for rid, t in part["tokens"].items()}
         emit({"event": "result", "result": {"startup_s": startup_s, "latency": latency_metrics(everything, duration),
+                                            "timings": [t.to_json() for t in everything],
                                             "roles": [part["role"] for part in parts],
                                             "tokens": [outputs.get(f"r{i}") for i in range(len(requests))]}})
     shutdown()

@@ -7,7 +7,9 @@ colocated engine as data-parallel replicas (`--dp`, default 2), and each `--layo
 and D decode instances. The report gives, per system, TTFT, TPOT and ITL (p50, p99) as vLLM's bench
 serve defines them, and for a disaggregated layout each role's queueing and latencies and the KV
 handed over (bytes, transfers, time per transfer, bandwidth), beside the workload's prefill:decode
-token ratio and the layout's P:D ratio.
+token ratio and the layout's P:D ratio. With `--rounds N` every system runs N times in mirrored
+order and its rounds count as one run, so that a host drifting during the bench moves every system
+alike (a shared host can change speed between one system's run and the next).
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ def disagg(
         "--speculative-config", metavar="JSON",
         help="Also run each layout with this speculative_config on its decode instances (vLLM's dict as JSON, "
              "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}').")] = None,
+    rounds: Annotated[int, typer.Option(
+        min=1, help="Run every system this many times, the order reversed each round (colocated first, then "
+                    "last, ...), and count a system's rounds as one run: its requests pooled, its throughput "
+                    "their output tokens over their summed time. A host that drifts then moves every system "
+                    "alike.")] = 1,
     json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Also write the report here.")] = None,
 ):
     """Disaggregated prefill/decode against colocated replicas on the same ranks: TTFT and TPOT p50/p99."""
@@ -147,14 +154,14 @@ def disagg(
                                     common["max_model_len"] - len(warm[0]["prompt_token_ids"]))
         warm.append({"prompt_token_ids": source[:max(16, max_local_prefill_tokens + 1)], "output_len": 4,
                      "arrival_s": 0.0})
-    results = {}
+    runs: dict[str, list[dict]] = {label: [] for label, _ in systems}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=False) as bar:
         def phase(description: str, total: int):
             task = bar.add_task(description, total=total)
             return lambda n=1: bar.update(task, advance=n)
 
-        for label, engine_args in systems:
+        for r, (label, engine_args) in round_order(systems, rounds):
             nproc = engine_args.get("data_parallel_size") or engine_args["prefill_instances"] + engine_args["decode_instances"]
             spec = dict(model=str(Path(path).resolve()), engine_args={**common, **engine_args}, threads=threads,
                         requests=requests, warm=warm)
@@ -163,11 +170,13 @@ def disagg(
                    "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                     str(WORKER)]
+            shown = label + (f" (round {r + 1} of {rounds})" if rounds > 1 else "")
             try:
-                results[label], _ = run_worker(argv, spec, env, phase, label, "toolkit-bench-disagg-")
+                runs[label].append(run_worker(argv, spec, env, phase, shown, "toolkit-bench-disagg-")[0])
             except BenchError as e:
                 err.print(f"error: {e}", style="red", markup=False)
                 raise typer.Exit(1)
+    results = {label: combine_rounds(done) for label, done in runs.items()}
     for label, engine_args in systems[len(worlds):]:
         # Greedy, EOS ignored: the same tokens as the colocated run, up to a near-tie that other batch
         # shapes (other kernels, other summation orders) can flip, often in low precision.
@@ -181,6 +190,25 @@ def disagg(
         print(line)
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=2))
+
+
+def round_order(systems: list, rounds: int) -> list[tuple[int, object]]:
+    """(round, system) in run order: the systems as given, then reversed, and so on, so that each
+    system's rounds sit at mirrored places in the whole run (colocated first and last with two)."""
+    return [(r, s) for r in range(rounds) for s in (systems if r % 2 == 0 else systems[::-1])]
+
+
+def combine_rounds(runs: list[dict]) -> dict:
+    """One system's rounds as one run: every round's requests pooled into the latency figures, the
+    throughput their output tokens over the rounds' summed time; the tokens and role counters of the
+    first round (every round's figures stay under `rounds`)."""
+    from toolkit.cli.bench.metrics import RequestTiming, latency_metrics
+
+    timings = [RequestTiming.from_json(t) for run in runs for t in run["timings"]]
+    first = runs[0]
+    return {**{k: v for k, v in first.items() if k != "timings"},
+            "latency": latency_metrics(timings, sum(run["latency"]["duration_s"] for run in runs)),
+            "rounds": [{"latency": run["latency"], "roles": run["roles"]} for run in runs]}
 
 
 def workload_summary(requests: list[dict], rate: float, long_len: int) -> dict:
@@ -215,6 +243,10 @@ def report_lines(report: dict) -> list[str]:
         lines.append(f"{label:<26} {ttft['median']:>8.1f}ms {ttft['p99']:>8.1f}ms {tpot['median']:>8.1f}ms "
                      f"{tpot['p99']:>8.1f}ms {lat['itl_ms']['p99']:>8.1f}ms {lat['output_tokens_per_s']:>10.1f}")
     for label, res in report["systems"].items():
+        if len(res.get("rounds", [])) > 1:  # each round's own figures: the host's drift between them
+            each = [r["latency"] for r in res["rounds"]]
+            lines.append(f"  {label}, each round: out tok/s " + " / ".join(f"{r['output_tokens_per_s']:.1f}" for r in each)
+                         + ", TPOT p99 " + " / ".join(f"{r['tpot_ms']['p99']:.1f}" for r in each) + " ms")
         if "requests_identical_to_colocated" in res:
             same = res["requests_identical_to_colocated"]
             where = ", ".join(f"request {i} from token {at} of {n}" for i, at, n in res.get("first_differences", [])[:5])

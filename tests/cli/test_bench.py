@@ -732,6 +732,32 @@ def test_disagg_report_explains_differing_tokens_only_where_some_differ():
     assert first_differences([[1, 2, 3], [4, 5], [6, 7]], [[1, 2, 3], [4, 9], [6, 7, 8]]) == [[1, 1, 2], [2, 2, 3]]
 
 
+def test_disagg_rounds_mirror_the_order_and_count_as_one_run():
+    """`--rounds`: the systems in order, then reversed; a system's rounds pooled (every request's
+    latencies, output tokens over the summed time), each round's own figures kept and shown."""
+    from toolkit.cli.bench.disaggregated import combine_rounds, report_lines, round_order
+    from toolkit.cli.bench.metrics import RequestTiming, latency_metrics
+
+    assert [s for _, s in round_order(["c", "a", "b"], 3)] == ["c", "a", "b", "b", "a", "c", "c", "a", "b"]
+    assert [r for r, _ in round_order(["c", "a"], 2)] == [0, 0, 1, 1]
+
+    def run(tpot: float, n: int, seconds: float) -> dict:
+        # n requests of 5 tokens each, one token per `tpot` after a first token at 0.1 s
+        timings = [RequestTiming(0.0, 3, [(0.1 + k * tpot, 1) for k in range(5)]) for _ in range(n)]
+        return {"latency": latency_metrics(timings, seconds), "timings": [t.to_json() for t in timings],
+                "roles": [], "tokens": [[n]]}
+
+    one = combine_rounds([run(0.01, 4, 1.0), run(0.03, 2, 3.0)])
+    lat = one["latency"]
+    assert lat["completed"] == 6 and lat["output_tokens"] == 30 and lat["output_tokens_per_s"] == pytest.approx(7.5)
+    assert lat["tpot_ms"]["median"] == pytest.approx(10.0) and lat["tpot_ms"]["p99"] == pytest.approx(30.0)
+    assert one["tokens"] == [[4]] and "timings" not in one
+    assert [r["latency"]["output_tokens_per_s"] for r in one["rounds"]] == [20.0, pytest.approx(10 / 3)]
+    report = {"workload": {"requests": 6, "long_prompts": 1, "prompt_tokens": 18, "output_tokens": 30,
+                           "prefill_to_decode_tokens": 0.6, "rate": 0.0}, "systems": {"colocated (dp=2)": one}}
+    assert "  colocated (dp=2), each round: out tok/s 20.0 / 3.3, TPOT p99 10.0 / 30.0 ms" in report_lines(report)
+
+
 def test_disagg_bench_runs_colocated_and_disaggregated_on_two_ranks_with_the_same_tokens(tiny, tmp_path):
     """`toolkit bench disagg`: the systems as 2-process jobs; every request completes with its tokens
     (float32, greedy: the same in all), and every prompt's KV went from the prefill to the decode

@@ -55,6 +55,47 @@ def test_float32_panels_match_float64(n, k, bias):
         torch.testing.assert_close(out.double(), _reference(x, lin), atol=1e-4 * k**0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("k", [129, 130])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_row_against_groups_of_panels_matches_float64_for_every_weight_layout(k, threads):
+    """A decode step's one row streams several panels at once per thread (8, then 4, then one): 30
+    panels, the last of 5 columns, give every group size under one thread and two, for float32 panels,
+    bf16 panels under float32 x (the lm_head's float32 logits: paired k on AMX hosts), fp16 panels,
+    and int8 panels (weight-only int8) with their scales; odd K leaves a k past the pairs."""
+    from toolkit.backends.cpu.linear import CPUInt8Linear
+    from toolkit.models.logits import Float32Logits
+    from toolkit.quantization import Int8Linear
+
+    n = 16 * 29 + 5
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(1, k, generator=g)
+    head = Float32Logits(k, n, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(n, k, generator=g))
+    plain = _linear(n, k, True, seed=k)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cases = [(CPULinear(plain, PANELS), plain)]
+        for half in HALVES:
+            lowered = Float32Logits(k, n, bias=False).to(half)
+            with torch.no_grad():
+                lowered.weight.copy_(head.weight)
+            cases.append((CPULinear(lowered, PANELS), lowered))
+        quantized = Int8Linear(plain)
+        dequantized = torch.nn.Linear(k, n)
+        with torch.no_grad():
+            dequantized.weight.copy_(quantized.qweight.double() * quantized.scales.double()[:, None])
+            dequantized.bias.copy_(quantized.bias)
+        cases.append((CPUInt8Linear(quantized, NEVER), dequantized))
+        for packed, reference in cases:
+            out = packed(x)
+            assert out.dtype == torch.float32 and out.shape == (1, n)
+            torch.testing.assert_close(out.double(), _reference(x, reference), atol=1e-4 * k**0.5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_above_small_m_go_to_onednn_and_agree(dtype):
     _needs_native_onednn(dtype)

@@ -256,6 +256,72 @@ void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel
     store<R, U, W>(acc, bias, scale, out, out_stride, cols);
 }
 
+// One row of x against Q adjacent panels at once (a decode step's row): Q independent streams of
+// weights per thread keep more cache-line misses in flight than one panel's stream, which on an AMX
+// Xeon read int8 panels at one row well below the memory's speed (docs/benchmarks.md). U partial sums
+// per panel. The last panel has `cols` columns.
+template <int Q, int U, typename W, typename B, typename O>
+void row_panels(const float* __restrict x, const W* __restrict panel, int64_t K, const B* __restrict bias,
+                const float* __restrict scale, O* __restrict out, int cols) {
+    vec16 acc[Q][U][1] = {};
+    int64_t k = 0;
+    if constexpr (paired<W>()) {  // one 64-byte load holds k (low halves) and k + 1 (high halves)
+        for (; k + 2 * U <= (K & ~int64_t(1)); k += 2 * U)
+            for (int u = 0; u < U; ++u) {
+                const vec16 x0 = broadcast(x[k + 2 * u]), x1 = broadcast(x[k + 2 * u + 1]);
+                for (int q = 0; q < Q; ++q) {
+                    u32x16 v;
+                    std::memcpy(&v, panel + q * K * NR + (k + 2 * u) * NR, sizeof v);
+                    const u32x16 lo = v << 16, hi = v & 0xFFFF0000u;
+                    vec16 w0, w1;
+                    std::memcpy(&w0, &lo, sizeof w0);
+                    std::memcpy(&w1, &hi, sizeof w1);
+                    acc[q][u][0] += x0 * w0;
+                    acc[q][u][0] += x1 * w1;
+                }
+            }
+        for (; k + 2 <= (K & ~int64_t(1)); k += 2)
+            for (int q = 0; q < Q; ++q) {
+                acc[q][0][0] += broadcast(x[k]) * widen16(panel + q * K * NR + k * NR, 0);
+                acc[q][0][0] += broadcast(x[k + 1]) * widen16(panel + q * K * NR + k * NR, 1);
+            }
+    } else {
+        for (; k + U <= K; k += U)
+            for (int u = 0; u < U; ++u) {
+                const vec16 xb = broadcast(x[k + u]);
+                for (int q = 0; q < Q; ++q) acc[q][u][0] += xb * widen16(panel + q * K * NR + (k + u) * NR);
+            }
+    }
+    for (; k < K; ++k)  // the k past the partial sums' steps (paired: an odd K's last, in plain order)
+        for (int q = 0; q < Q; ++q) acc[q][0][0] += broadcast(x[k]) * widen16(panel + q * K * NR + k * NR);
+    for (int q = 0; q < Q; ++q)
+        store<1, U, W>(acc[q], bias ? bias + q * NR : nullptr, scale ? scale + q * NR : nullptr, out + q * NR, 0,
+                       q + 1 == Q ? cols : NR);
+}
+
+// One row of x against every panel: each thread takes a contiguous share of the panels (even shares:
+// a fixed grouping would leave one thread with a group more) and streams 8 of them at a time, then 4,
+// then one.
+template <typename W, typename B, typename O>
+void linear_row(const float* x, const W* panels, const B* bias, const float* scale, O* out, int64_t N, int64_t K) {
+    const int64_t P = (N + NR - 1) / NR;
+#pragma omp parallel if (P > 1)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), end = P * (t + 1) / threads;
+        int64_t p = P * t / threads;
+        auto group = [&](auto q) {
+            constexpr int Q = decltype(q)::value;
+            const int cols = int(std::min<int64_t>(NR, N - (p + Q - 1) * NR));
+            row_panels<Q, Q == 1 ? 8 : 2>(x, panels + p * K * NR, K, bias ? bias + p * NR : nullptr,
+                                          scale ? scale + p * NR : nullptr, out + p * NR, cols);
+            p += Q;
+        };
+        while (p + 8 <= end) group(std::integral_constant<int, 8>{});
+        while (p + 4 <= end) group(std::integral_constant<int, 4>{});
+        while (p < end) group(std::integral_constant<int, 1>{});
+    }
+}
+
 #if AMX_PANELS
 // AMX: bf16 x over paired bf16 panels through the tile unit. A 16-column panel's k in blocks of 32 is
 // one B tile as it lies (16 rows of a pair of k, 64 bytes each: the layout above is AMX's VNNI order);
@@ -447,6 +513,9 @@ void panel_rows(const float* x, int64_t x_stride, const W* panel, int64_t K, con
 template <typename W, typename B, typename O>
 void linear(const float* x, int64_t x_stride, const W* panels, const B* bias, const float* scale, O* out, int64_t M,
             int64_t N, int64_t K) {
+#ifdef __AVX512F__
+    if (M == 1) return linear_row(x, panels, bias, scale, out, N, K);
+#endif
     const int64_t P = (N + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t rows = std::min(MC, M - m0);

@@ -134,8 +134,9 @@ HALVES = [torch.bfloat16, torch.float16]
 # On AMX CPUs bf16 runs through the tiles in blocks of 32 k, 32 rows and two panels: K = 300 leaves
 # an even tail of k, K = 97 an odd one (its last k unpaired); N = 70 an odd panel count; m = 17 and 40
 # a part-filled second half of rows; the x of m = 7 is read with a row stride past K.
+# (469, 129): 30 panels, the last of 5 columns, in groups of up to four per thread (AMX's few-row path)
 @pytest.mark.parametrize("dtype", HALVES)
-@pytest.mark.parametrize("n,k", [(70, 300), (33, 97)])
+@pytest.mark.parametrize("n,k", [(70, 300), (33, 97), (469, 129)])
 def test_half_weights_and_activations(dtype, n, k):
     lin = _linear(n, k, True, seed=1, dtype=dtype)
     packed = CPULinear(lin, PANELS)

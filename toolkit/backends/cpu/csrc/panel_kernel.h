@@ -410,6 +410,81 @@ void amx_block(const uint16_t* __restrict x, int64_t x_stride, const uint16_t* _
     }
 }
 
+// Up to 16 rows (one A tile) against up to four panels: C (tile q: rows x 16 float32 of panel q), A
+// (tile 4) and B (tiles 5-7, the fourth panel's reusing 5). With one A tile there is room for four
+// panels, so a decode step's few rows stream four panels' weights at once per thread instead of two,
+// which reads them nearer the memory's speed (docs/benchmarks.md).
+constexpr int AMX_ROW_PANELS = 4;
+
+inline void configure_row_tiles(int rows) {
+    TileConfig c;
+    for (int t = 0; t < 5; ++t) c.rows[t] = uint8_t(rows), c.colsb[t] = 64;
+    for (int t = 5; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+template <typename B, typename O>
+void amx_row_block(const uint16_t* __restrict x, int64_t x_stride, const uint16_t* __restrict panel, int64_t K,
+                   const B* __restrict bias, O* __restrict out, int64_t out_stride, int rows, int panels, int cols) {
+    const int64_t blocks = K / AMX_K, stride = x_stride * int64_t(sizeof(uint16_t)), step = K * NR;
+    _tile_zero(0);
+    if (panels > 1) _tile_zero(1);
+    if (panels > 2) _tile_zero(2);
+    if (panels > 3) _tile_zero(3);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint16_t* w = panel + b * AMX_K * NR;
+        _tile_loadd(4, x + b * AMX_K, stride);
+        _tile_loadd(5, w, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (panels > 1) {
+            _tile_loadd(6, w + step, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (panels > 2) {
+            _tile_loadd(7, w + 2 * step, 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (panels > 3) {
+            _tile_loadd(5, w + 3 * step, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    vec16 acc[AMX_ROW_PANELS][1][32];  // [panel][1][row]: store's layout of U = 1 partial sums
+    _tile_stored(0, acc[0][0], 64);
+    if (panels > 1) _tile_stored(1, acc[1][0], 64);
+    if (panels > 2) _tile_stored(2, acc[2][0], 64);
+    if (panels > 3) _tile_stored(3, acc[3][0], 64);
+    for (int q = 0; q < panels; ++q) {
+        const uint16_t* pq = panel + q * step;
+        for (int64_t k = blocks * AMX_K; k < K; ++k) {  // paired up to an odd K's last k, which is plain
+            const bool pair = k < (K & ~int64_t(1));
+            const vec16 w = pair ? widen16(pq + (k & ~int64_t(1)) * NR, int(k & 1)) : widen16(pq + k * NR);
+            for (int r = 0; r < rows; ++r) acc[q][0][r] += broadcast(to_float(x[r * x_stride + k])) * w;
+        }
+        store<32, 1, uint16_t>(acc[q], bias ? bias + q * NR : nullptr, (const float*)nullptr, out + q * NR,
+                               out_stride, q + 1 == panels ? cols : NR, rows);
+    }
+}
+
+// Up to 16 rows of bf16 x times every panel: each thread takes an even share of the panels, four at a
+// time (the last group of a share fewer), with the tiles configured once per thread.
+template <typename B, typename O>
+void linear_amx_rows(const uint16_t* x, int64_t x_stride, const uint16_t* panels, const B* bias, O* out, int64_t M,
+                     int64_t N, int64_t K) {
+    const int64_t P = (N + NR - 1) / NR;
+#pragma omp parallel if (P > 1)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), end = P * (t + 1) / threads;
+        configure_row_tiles(int(M));
+        for (int64_t p = P * t / threads; p < end; p += AMX_ROW_PANELS) {
+            const int here = int(std::min<int64_t>(AMX_ROW_PANELS, end - p));
+            const int cols = int(std::min<int64_t>(NR, N - (p + here - 1) * NR));
+            amx_row_block(x, x_stride, panels + p * K * NR, K, bias ? bias + p * NR : nullptr, out + p * NR, N, int(M),
+                          here, cols);
+        }
+    }
+}
+
 // M rows of bf16 x times the panels [p, p + panels) (one or two) of W [N, K], 32 rows at a time.
 template <typename B, typename O>
 void amx_panels(const uint16_t* x, int64_t x_stride, const uint16_t* panels, int64_t p, int panels_here, int64_t N,
@@ -533,6 +608,7 @@ void linear(const float* x, int64_t x_stride, const W* panels, const B* bias, co
 template <typename B, typename O>
 void linear_amx(const uint16_t* x, int64_t x_stride, const uint16_t* panels, const B* bias, O* out, int64_t M,
                 int64_t N, int64_t K) {
+    if (M <= 16) return linear_amx_rows(x, x_stride, panels, bias, out, M, N, K);
     const int64_t P = (N + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t rows = std::min(MC, M - m0);

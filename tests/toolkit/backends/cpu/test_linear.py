@@ -57,9 +57,10 @@ def test_float32_panels_match_float64(n, k, bias):
 
 @pytest.mark.parametrize("k", [129, 130])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_row_against_groups_of_panels_matches_float64_for_every_weight_layout(k, threads):
-    """A decode step's one row streams several panels at once per thread (8, then 4, then one): 30
-    panels, the last of 5 columns, give every group size under one thread and two, for float32 panels,
+def test_few_rows_against_groups_of_panels_match_float64_for_every_weight_layout(k, threads):
+    """Fewer rows than a tile (a decode step's, a verify step's) stream several panels at once per
+    thread (8 for 1-2 rows, 4 for 3-6, 2 for 7), then the rest one by one: 30 panels, the last of 5
+    columns, give groups and leftovers under one thread and two, for float32 panels,
     bf16 panels under float32 x (the lm_head's float32 logits: paired k on AMX hosts), fp16 panels,
     and int8 panels (weight-only int8) with their scales; odd K leaves a k past the pairs."""
     from toolkit.backends.cpu.linear import CPUInt8Linear
@@ -68,7 +69,6 @@ def test_one_row_against_groups_of_panels_matches_float64_for_every_weight_layou
 
     n = 16 * 29 + 5
     g = torch.Generator().manual_seed(k)
-    x = torch.randn(1, k, generator=g)
     head = Float32Logits(k, n, bias=False)
     with torch.no_grad():
         head.weight.copy_(torch.randn(n, k, generator=g))
@@ -88,10 +88,12 @@ def test_one_row_against_groups_of_panels_matches_float64_for_every_weight_layou
             dequantized.weight.copy_(quantized.qweight.double() * quantized.scales.double()[:, None])
             dequantized.bias.copy_(quantized.bias)
         cases.append((CPUInt8Linear(quantized, NEVER), dequantized))
-        for packed, reference in cases:
-            out = packed(x)
-            assert out.dtype == torch.float32 and out.shape == (1, n)
-            torch.testing.assert_close(out.double(), _reference(x, reference), atol=1e-4 * k**0.5, rtol=1e-5)
+        for m in (1, 2, 3, 5, 7):
+            x = torch.randn(m, k, generator=g)
+            for packed, reference in cases:
+                out = packed(x)
+                assert out.dtype == torch.float32 and out.shape == (m, n)
+                torch.testing.assert_close(out.double(), _reference(x, reference), atol=1e-4 * k**0.5, rtol=1e-5)
     finally:
         torch.set_num_threads(before)
 

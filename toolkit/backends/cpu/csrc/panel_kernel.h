@@ -256,19 +256,23 @@ void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel
     store<R, U, W>(acc, bias, scale, out, out_stride, cols);
 }
 
-// One row of x against Q adjacent panels at once (a decode step's row): Q independent streams of
-// weights per thread keep more cache-line misses in flight than one panel's stream, which on an AMX
-// Xeon read int8 panels at one row well below the memory's speed (docs/benchmarks.md). U partial sums
-// per panel. The last panel has `cols` columns.
-template <int Q, int U, typename W, typename B, typename O>
-void row_panels(const float* __restrict x, const W* __restrict panel, int64_t K, const B* __restrict bias,
-                const float* __restrict scale, O* __restrict out, int cols) {
-    vec16 acc[Q][U][1] = {};
+// Partial sums per row for a tile of R rows: enough FMA chains in flight to fill the pipes.
+template <int R>
+constexpr int sums_for() { return R == 1 ? 8 : R == 2 ? 4 : R == 3 ? 3 : R < 7 ? 2 : 1; }
+
+// R rows of x (fewer than a full tile: a decode step's, a verify step's) against Q adjacent panels at
+// once: Q independent streams of weights per thread keep more cache-line misses in flight than one
+// panel's stream, which on an AMX Xeon read int8 panels at one row well below the memory's speed
+// (docs/benchmarks.md). U partial sums per panel and row. The last panel has `cols` columns.
+template <int Q, int U, int R, typename W, typename B, typename O>
+void panels_tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel, int64_t K,
+                 const B* __restrict bias, const float* __restrict scale, O* __restrict out, int64_t out_stride,
+                 int cols) {
+    vec16 acc[Q][U][R] = {};
     int64_t k = 0;
     if constexpr (paired<W>()) {  // one 64-byte load holds k (low halves) and k + 1 (high halves)
         for (; k + 2 * U <= (K & ~int64_t(1)); k += 2 * U)
-            for (int u = 0; u < U; ++u) {
-                const vec16 x0 = broadcast(x[k + 2 * u]), x1 = broadcast(x[k + 2 * u + 1]);
+            for (int u = 0; u < U; ++u)
                 for (int q = 0; q < Q; ++q) {
                     u32x16 v;
                     std::memcpy(&v, panel + q * K * NR + (k + 2 * u) * NR, sizeof v);
@@ -276,49 +280,55 @@ void row_panels(const float* __restrict x, const W* __restrict panel, int64_t K,
                     vec16 w0, w1;
                     std::memcpy(&w0, &lo, sizeof w0);
                     std::memcpy(&w1, &hi, sizeof w1);
-                    acc[q][u][0] += x0 * w0;
-                    acc[q][u][0] += x1 * w1;
+                    for (int r = 0; r < R; ++r) {
+                        acc[q][u][r] += broadcast(x[r * x_stride + k + 2 * u]) * w0;
+                        acc[q][u][r] += broadcast(x[r * x_stride + k + 2 * u + 1]) * w1;
+                    }
                 }
-            }
         for (; k + 2 <= (K & ~int64_t(1)); k += 2)
             for (int q = 0; q < Q; ++q) {
-                acc[q][0][0] += broadcast(x[k]) * widen16(panel + q * K * NR + k * NR, 0);
-                acc[q][0][0] += broadcast(x[k + 1]) * widen16(panel + q * K * NR + k * NR, 1);
+                const vec16 w0 = widen16(panel + q * K * NR + k * NR, 0), w1 = widen16(panel + q * K * NR + k * NR, 1);
+                for (int r = 0; r < R; ++r)
+                    acc[q][0][r] += broadcast(x[r * x_stride + k]) * w0 + broadcast(x[r * x_stride + k + 1]) * w1;
             }
     } else {
         for (; k + U <= K; k += U)
-            for (int u = 0; u < U; ++u) {
-                const vec16 xb = broadcast(x[k + u]);
-                for (int q = 0; q < Q; ++q) acc[q][u][0] += xb * widen16(panel + q * K * NR + (k + u) * NR);
-            }
+            for (int u = 0; u < U; ++u)
+                for (int q = 0; q < Q; ++q) {
+                    const vec16 w = widen16(panel + q * K * NR + (k + u) * NR);
+                    for (int r = 0; r < R; ++r) acc[q][u][r] += broadcast(x[r * x_stride + k + u]) * w;
+                }
     }
     for (; k < K; ++k)  // the k past the partial sums' steps (paired: an odd K's last, in plain order)
-        for (int q = 0; q < Q; ++q) acc[q][0][0] += broadcast(x[k]) * widen16(panel + q * K * NR + k * NR);
+        for (int q = 0; q < Q; ++q) {
+            const vec16 w = widen16(panel + q * K * NR + k * NR);
+            for (int r = 0; r < R; ++r) acc[q][0][r] += broadcast(x[r * x_stride + k]) * w;
+        }
     for (int q = 0; q < Q; ++q)
-        store<1, U, W>(acc[q], bias ? bias + q * NR : nullptr, scale ? scale + q * NR : nullptr, out + q * NR, 0,
-                       q + 1 == Q ? cols : NR);
+        store<R, U, W>(acc[q], bias ? bias + q * NR : nullptr, scale ? scale + q * NR : nullptr, out + q * NR,
+                       out_stride, q + 1 == Q ? cols : NR);
 }
 
-// One row of x against every panel: each thread takes a contiguous share of the panels (even shares:
-// a fixed grouping would leave one thread with a group more) and streams 8 of them at a time, then 4,
-// then one.
-template <typename W, typename B, typename O>
-void linear_row(const float* x, const W* panels, const B* bias, const float* scale, O* out, int64_t N, int64_t K) {
+// R rows of x against every panel: each thread takes an even share of the panels (a fixed grouping
+// would leave one thread with a group more) and streams several at a time, as many as the registers
+// hold accumulators for (8 panels for 1-2 rows, 4 for up to 6, 2 for 7), then the rest one by one.
+template <int R, typename W, typename B, typename O>
+void few_rows(const float* x, int64_t x_stride, const W* panels, const B* bias, const float* scale, O* out,
+              int64_t N, int64_t K) {
+    constexpr int Q = R <= 2 ? 8 : R <= 6 ? 4 : 2, U = R == 1 ? 2 : 1;
     const int64_t P = (N + NR - 1) / NR;
 #pragma omp parallel if (P > 1)
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), end = P * (t + 1) / threads;
         int64_t p = P * t / threads;
-        auto group = [&](auto q) {
-            constexpr int Q = decltype(q)::value;
-            const int cols = int(std::min<int64_t>(NR, N - (p + Q - 1) * NR));
-            row_panels<Q, Q == 1 ? 8 : 2>(x, panels + p * K * NR, K, bias ? bias + p * NR : nullptr,
-                                          scale ? scale + p * NR : nullptr, out + p * NR, cols);
-            p += Q;
-        };
-        while (p + 8 <= end) group(std::integral_constant<int, 8>{});
-        while (p + 4 <= end) group(std::integral_constant<int, 4>{});
-        while (p < end) group(std::integral_constant<int, 1>{});
+        for (; p + Q <= end; p += Q)
+            panels_tile<Q, U, R>(x, x_stride, panels + p * K * NR, K, bias ? bias + p * NR : nullptr,
+                                 scale ? scale + p * NR : nullptr, out + p * NR, N,
+                                 int(std::min<int64_t>(NR, N - (p + Q - 1) * NR)));
+        for (; p < end; ++p)
+            tile<R, sums_for<R>()>(x, x_stride, panels + p * K * NR, K, bias ? bias + p * NR : nullptr,
+                                   scale ? scale + p * NR : nullptr, out + p * NR, N,
+                                   int(std::min<int64_t>(NR, N - p * NR)));
     }
 }
 
@@ -499,9 +509,6 @@ void amx_panels(const uint16_t* x, int64_t x_stride, const uint16_t* panels, int
 }
 #endif
 
-// Partial sums per row for a tile of R rows: enough FMA chains in flight to fill the pipes.
-template <int R>
-constexpr int sums_for() { return R == 1 ? 8 : R == 2 ? 4 : R == 3 ? 3 : R < 7 ? 2 : 1; }
 #else
 // R rows x 16 columns over all of K. Each accumulator is a chain of dependent FMAs; with few rows,
 // U interleaved partial sums over k keep >= 8 chains in flight (2 FMA pipes x 4 cycles of latency).
@@ -589,7 +596,15 @@ template <typename W, typename B, typename O>
 void linear(const float* x, int64_t x_stride, const W* panels, const B* bias, const float* scale, O* out, int64_t M,
             int64_t N, int64_t K) {
 #ifdef __AVX512F__
-    if (M == 1) return linear_row(x, panels, bias, scale, out, N, K);
+    switch (M) {  // fewer rows than a tile: several panels at a time per thread
+        case 1: return few_rows<1>(x, x_stride, panels, bias, scale, out, N, K);
+        case 2: return few_rows<2>(x, x_stride, panels, bias, scale, out, N, K);
+        case 3: return few_rows<3>(x, x_stride, panels, bias, scale, out, N, K);
+        case 4: return few_rows<4>(x, x_stride, panels, bias, scale, out, N, K);
+        case 5: return few_rows<5>(x, x_stride, panels, bias, scale, out, N, K);
+        case 6: return few_rows<6>(x, x_stride, panels, bias, scale, out, N, K);
+        case 7: return few_rows<7>(x, x_stride, panels, bias, scale, out, N, K);
+    }
 #endif
     const int64_t P = (N + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {

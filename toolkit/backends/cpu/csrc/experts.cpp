@@ -44,7 +44,10 @@ Groups group(const int64_t* ids, int64_t pairs, int64_t first, int64_t E) {
 
 // One matmul of every expert in `experts` over its rows: out rows [row0[i], row0[i] + rows[i]) of
 // [*, N] from x rows alike of [*, K], panels of expert e at panels + e * P * K * NR. One parallel loop
-// over (expert, panel) splits every expert's weights between the threads; AMX takes two panels a task.
+// over (expert, panel) splits every expert's weights between the threads; AMX takes four panels a task:
+// one block of four where the expert's rows fit one A tile (a decode step's few rows per expert then
+// stream four panels at once), else two blocks of two. The tiles are configured again only when the
+// row count changes.
 template <typename XT, typename W>
 void panel_matmuls(const std::vector<int64_t>& experts, const std::vector<int64_t>& row0,
                    const std::vector<int64_t>& rows, const XT* x, const W* panels, float* out, int64_t N,
@@ -52,12 +55,26 @@ void panel_matmuls(const std::vector<int64_t>& experts, const std::vector<int64_
     const int64_t P = (N + NR - 1) / NR;
 #if AMX_PANELS
     if constexpr (std::is_same<XT, uint16_t>::value) {
-        const int64_t pairs = (P + 1) / 2, tasks = int64_t(experts.size()) * pairs;
-#pragma omp parallel for schedule(dynamic, 2)
-        for (int64_t t = 0; t < tasks; ++t) {
-            const int64_t i = t / pairs, p = 2 * (t % pairs);
-            amx_panels(x + row0[i] * K, K, panels + experts[i] * P * K * NR, p, int(std::min<int64_t>(2, P - p)), N,
-                       K, (const float*)nullptr, (const float*)nullptr, out + row0[i] * N, N, rows[i]);
+        const int64_t quads = (P + 3) / 4, tasks = int64_t(experts.size()) * quads;
+#pragma omp parallel
+        {
+            int configured = -1;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < tasks; ++t) {
+                const int64_t i = t / quads, p = 4 * (t % quads);
+                const uint16_t* w = panels + experts[i] * P * K * NR;
+                if (rows[i] <= 16) {
+                    const int here = int(std::min<int64_t>(AMX_ROW_PANELS, P - p));
+                    if (configured != int(rows[i])) configure_row_tiles(int(rows[i])), configured = int(rows[i]);
+                    amx_row_block(x + row0[i] * K, K, w + p * K * NR, K, (const float*)nullptr, out + row0[i] * N + p * NR,
+                                  N, int(rows[i]), here, int(std::min<int64_t>(NR, N - (p + here - 1) * NR)));
+                    continue;
+                }
+                configured = -1;
+                for (int64_t q = p; q < std::min(P, p + 4); q += 2)
+                    amx_panels(x + row0[i] * K, K, w, q, int(std::min<int64_t>(2, P - q)), N, K, (const float*)nullptr,
+                               (const float*)nullptr, out + row0[i] * N, N, rows[i]);
+            }
         }
     } else
 #endif

@@ -42,8 +42,8 @@ def test_text_prompts_match_transformers_and_decode(llm, ckpt):
 def test_prefill_chunks_through_aten_flash_attention_match_transformers(ckpt):
     """cpu_prefill_attention="flash" sends every request step of 2+ tokens to ATen's flash attention on
     its gathered K/V: first chunks, later chunks of a prompt split by the token budget, and suffixes over
-    a prefix-cache hit, each beside decodes in one batch; and the three decodes over the shared prefix's
-    blocks attend to them together (cascade)."""
+    a prefix-cache hit, each beside decodes in one batch; and the three requests over the shared prefix's
+    blocks (their suffixes, then their decodes) attend to them together (cascade)."""
     shared = random_prompts(1, seed=8, low=40, high=40)[0]
     prompts = [shared + p for p in random_prompts(4, seed=9, low=3, high=30)]
     llm = LLM(str(ckpt), dtype="float32", enforce_eager=True, max_model_len=96, seed=0, max_num_batched_tokens=24,

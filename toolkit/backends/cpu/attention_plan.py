@@ -3,16 +3,17 @@
 `toolkit::paged_attention_cpu` serves every step kind with its own tiles (csrc/attention.cpp); given
 `flash_min` > 0, a request with at least that many new tokens goes to ATen's CPU flash attention on its
 gathered K/V instead (csrc/flash_prefill.h), whose GEMMs run on the CPU's matrix units (AMX, AVX-512
-BF16) through oneDNN. The same threshold groups decodes: flash_min or more one-token requests that
-begin with the same blocks (a shared prompt prefix) attend to those blocks together, as one chunk of
-that many rows, and each to its own positions alone (cascade attention).
+BF16) through oneDNN. The same threshold groups requests that begin with the same blocks (a shared
+prompt prefix): where such decodes and flash chunks bring flash_min or more new tokens between them, all
+their queries attend to those blocks together, as one chunk of that many rows, and each request to its
+own positions alone (cascade attention).
 
 On some CPUs flash is several times faster for long chunks, on others slower, so with
 `cpu_prefill_attention="auto"` the engine measures both on the model's head shape at start, per chunk
 length, and keeps the shortest length from which flash wins for good (choices.py; cached in
 `$TOOLKIT_CACHE/kernels/attention-choices.json`); float16 keeps the tiles (see `choose`). "flash" sends
 every chunk of 2+ tokens (prefill chunks, speculative verify steps) there, and cascades groups of 2+
-decodes; "tiles" neither.
+requests over shared blocks; "tiles" neither.
 
 The op takes `flash_min` as an argument, which the registered attention function (`__init__.py`) reads
 from here by the step's shapes when it traces or runs a step: a draft model and its target, each with

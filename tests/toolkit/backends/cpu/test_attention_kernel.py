@@ -155,6 +155,34 @@ def test_decodes_sharing_a_prefix_in_a_cascade_match_dense(dtype, tol, num_heads
     torch.testing.assert_close(attend(batch, flash_min=flash_min).double(), dense_reference(batch), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (9, 3)])
+@pytest.mark.parametrize("flash_min", [2, 16])
+def test_chunks_and_decodes_sharing_a_prefix_in_a_cascade_match_dense(dtype, tol, num_heads, num_kv_heads, flash_min):
+    """Prefill chunks over a shared cached prefix join the cascade too (many prompts after one system
+    prompt): all the group's queries attend to the shared blocks in one flash call, each chunk to its
+    own positions with flash_span, each decode with the tiles. Group A shares 3 blocks: chunks whose own
+    part starts on a block boundary and mid-block (12 cached positions of their own first), decodes, and a
+    5-token chunk that is a member only when flash_min is 2. Group B is two chunks sharing 2 blocks, one of
+    them leaving the lead's blocks after 2 of its 3 cached ones. Beside them a first chunk, a lone decode
+    and padding; then all of it again with each request's own blocks consecutive (read in place)."""
+    specs = [(48, 20), (60, 17), (48, 1), (100, 1), (50, 30), (48, 5), (32, 16), (40, 24), (0, 37), (30, 1)]
+    group_a, group_b = [0, 1, 2, 3, 4, 5], [6, 7]
+
+    def shared(batch):
+        share_leading_blocks(batch, group_a, 3)
+        share_leading_blocks(batch, group_b, 2)
+        return batch
+
+    batch = shared(make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                              dtype=dtype, num_pad=2, seed=flash_min))
+    out = attend(batch, flash_min=flash_min)
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=tol, rtol=tol)
+    assert not out[batch.num_tokens:].any()
+    shared(in_consecutive_blocks(batch))
+    torch.testing.assert_close(attend(batch, flash_min=flash_min).double(), dense_reference(batch), atol=tol, rtol=tol)
+
+
 def test_strided_q_as_the_model_slices_it():
     batch = make_batch([(7, 3), (30, 1)], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
     fused = torch.cat([batch.q, torch.randn_like(batch.q)], dim=1)

@@ -23,8 +23,9 @@
 // With flash_min > 0, a request with at least flash_min new tokens goes instead to ATen's CPU flash
 // attention on its gathered K/V (flash_prefill.h): GEMM-shaped, faster than the tiles on some CPUs and
 // slower on others, so the engine measures where it starts to pay (toolkit/backends/cpu/attention_plan.py).
-// Likewise flash_min or more decodes that begin with the same blocks (a shared prompt prefix) attend to
-// those blocks together, as one chunk of that many rows (cascade attention, run_cascade below).
+// Likewise requests that begin with the same blocks (a shared prompt prefix), decodes and such chunks,
+// with flash_min or more new tokens between them, attend to those blocks together, as one chunk of that
+// many rows (cascade attention, run_cascade below).
 
 #include <algorithm>
 #include <array>
@@ -383,18 +384,20 @@ void attend_tile(const Step& s, const std::array<int64_t, 3>& tile, int64_t kv_h
                 put(out + ((t0 + t) * s.num_heads + kv_head * group + h) * d + i, o32[(t * group + h) * d + i]);
 }
 
-// The flash requests one after another (the flash kernel spreads each over the threads itself).
+// The flash requests one after another (the flash kernel spreads each over the threads itself), but
+// those a cascade computed.
 template <typename T>
 void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
+    auto pending = [&](int64_t r) { return is_flash(s, r) && request[s.qsl[r]] != -2; };
     int64_t longest = 0;
     for (int64_t r = 0; r < s.requests; ++r)
-        if (is_flash(s, r)) longest = std::max<int64_t>(longest, s.seq_lens[r]);
+        if (pending(r)) longest = std::max<int64_t>(longest, s.seq_lens[r]);
     if (longest == 0) return;
     std::unique_ptr<T[]> buffer(new T[2 * longest * s.num_kv_heads * s.head_dim]);
     const T* k = static_cast<const T*>(s.k);
     const T* v = static_cast<const T*>(s.v);
     for (int64_t r = 0; r < s.requests; ++r) {
-        if (!is_flash(s, r)) continue;
+        if (!pending(r)) continue;
         const int64_t begin = s.qsl[r], n = s.qsl[r + 1] - begin;
         flash_prefill(static_cast<const T*>(s.q), s.q_token_stride, s.q_head_stride, dtype, k, v,
                       s.tables + r * s.table_width, begin, n, int64_t(s.seq_lens[r]), s.num_heads, s.num_kv_heads,
@@ -403,40 +406,48 @@ void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
     }
 }
 
-// Cascade attention for decodes that share a prefix (many requests over one system prompt or
-// document): where at least max(flash_min, 2) one-token requests begin with the same whole blocks, their
+// Cascade attention for requests that share a prefix (many requests over one system prompt or
+// document): where requests that begin with the same whole blocks bring max(flash_min, 2) or more new
+// tokens between them, each of them a decode or a flash request (flash_min+ new tokens), all their
 // queries attend to those blocks together, as one chunk of that many rows to ATen's flash kernel (the
-// shared K/V gathered once), and each to its own remaining positions with `attend`; the two parts are
-// merged by their log-sum-exps. Without it each decode reads the shared blocks on its own.
+// shared K/V read once, in place where consecutive), and each request to its own remaining positions
+// alone: a decode with `attend`, a chunk with flash_span. The parts are merged by their log-sum-exps.
+// Without it each request reads the shared blocks on its own, and a chunk's flash calls are small.
 struct Cascade {
     std::vector<int64_t> requests;
-    int64_t shared;  // positions [0, shared) common to all, whole blocks, before each one's last position
+    int64_t shared;  // positions [0, shared) common to all, whole blocks, before each one's first new token
 };
+
+inline int64_t new_tokens(const Step& s, int64_t r) { return s.qsl[r + 1] - s.qsl[r]; }
 
 inline std::vector<Cascade> plan_cascades(const Step& s) {
     std::vector<Cascade> cascades;
     const int64_t least = std::max<int64_t>(s.flash_min, 2);
     if (s.flash_min <= 0) return cascades;
-    std::vector<int64_t> decodes;
-    for (int64_t r = 0; r < s.requests; ++r)
-        if (s.qsl[r + 1] - s.qsl[r] == 1 && s.seq_lens[r] > s.block_size) decodes.push_back(r);
+    std::vector<int64_t> members;
+    for (int64_t r = 0; r < s.requests; ++r) {
+        const int64_t n = new_tokens(s, r);
+        if ((n == 1 || is_flash(s, r)) && s.seq_lens[r] - n >= s.block_size) members.push_back(r);
+    }
     // Grouped by first block: sorted by it, then runs of equal ones.
     auto first = [&](int64_t r) { return s.tables[r * s.table_width]; };
-    std::stable_sort(decodes.begin(), decodes.end(), [&](int64_t a, int64_t b) { return first(a) < first(b); });
-    for (size_t i = 0; i < decodes.size();) {
+    std::stable_sort(members.begin(), members.end(), [&](int64_t a, int64_t b) { return first(a) < first(b); });
+    for (size_t i = 0; i < members.size();) {
         size_t j = i;
-        while (j < decodes.size() && first(decodes[j]) == first(decodes[i])) ++j;
-        if (int64_t(j - i) >= least) {
-            const int32_t* lead = s.tables + decodes[i] * s.table_width;
+        int64_t rows = 0;
+        for (; j < members.size() && first(members[j]) == first(members[i]); ++j) rows += new_tokens(s, members[j]);
+        if (j - i >= 2 && rows >= least) {
+            const int32_t* lead = s.tables + members[i] * s.table_width;
             int64_t blocks = s.table_width;
             for (size_t m = i; m < j; ++m) {
-                const int32_t* table = s.tables + decodes[m] * s.table_width;
+                const int64_t r = members[m];
+                const int32_t* table = s.tables + r * s.table_width;
                 int64_t b = 0;
-                const int64_t limit = std::min(blocks, (int64_t(s.seq_lens[decodes[m]]) - 1) / s.block_size);
+                const int64_t limit = std::min(blocks, (int64_t(s.seq_lens[r]) - new_tokens(s, r)) / s.block_size);
                 while (b < limit && table[b] == lead[b]) ++b;
                 blocks = b;
             }
-            if (blocks > 0) cascades.push_back({{decodes.begin() + i, decodes.begin() + j}, blocks * s.block_size});
+            if (blocks > 0) cascades.push_back({{members.begin() + i, members.begin() + j}, blocks * s.block_size});
         }
         i = j;
     }
@@ -445,45 +456,70 @@ inline std::vector<Cascade> plan_cascades(const Step& s) {
 
 template <typename T>
 void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, std::vector<int32_t>& request) {
-    const int64_t m = int64_t(c.requests.size()), heads = s.num_heads, d = s.head_dim;
+    const int64_t members = int64_t(c.requests.size()), heads = s.num_heads, d = s.head_dim;
     const int64_t row = s.num_kv_heads * d, width = heads * d;
+    std::vector<int64_t> offset(members + 1, 0);  // each member's first row among the cascade's queries
+    for (int64_t i = 0; i < members; ++i) offset[i + 1] = offset[i] + new_tokens(s, c.requests[i]);
+    const int64_t m = offset[members];
     const T* q = static_cast<const T*>(s.q);
     const T* k = static_cast<const T*>(s.k);
     const T* v = static_cast<const T*>(s.v);
     std::unique_ptr<T[]> queries(new T[m * width]), buffer(new T[2 * c.shared * row]);
-    for (int64_t i = 0; i < m; ++i)
-        for (int64_t h = 0; h < heads; ++h)
-            std::memcpy(queries.get() + (i * heads + h) * d, q + s.qsl[c.requests[i]] * s.q_token_stride +
-                        h * s.q_head_stride, d * sizeof(T));
-    const auto [keys, values] = request_rows(k, v, s.tables + c.requests[0] * s.table_width, c.shared, s.block_size,
-                                             row, buffer.get());
-    auto kv = [&](const T* rows) { return heads_view(const_cast<T*>(rows), dtype, s.num_kv_heads, c.shared, d, row, d); };
-    const FlashResult common = flash_attention(heads_view(queries.get(), dtype, heads, m, d, width, d), kv(keys),
-                                               kv(values), false, s.scale);
+    for (int64_t i = 0; i < members; ++i)
+        for (int64_t t = 0; t < offset[i + 1] - offset[i]; ++t)
+            for (int64_t h = 0; h < heads; ++h)
+                std::memcpy(queries.get() + ((offset[i] + t) * heads + h) * d,
+                            q + (s.qsl[c.requests[i]] + t) * s.q_token_stride + h * s.q_head_stride, d * sizeof(T));
+    const int32_t* lead = s.tables + c.requests[0] * s.table_width;
+    auto kv = [&](const T* cache, T* dst) {
+        return heads_view(const_cast<T*>(span_rows(cache, lead, 0, c.shared, s.block_size, row, dst)), dtype,
+                          s.num_kv_heads, c.shared, d, row, d);
+    };
+    const FlashResult common = flash_attention(heads_view(queries.get(), dtype, heads, m, d, width, d),
+                                               kv(k, buffer.get()), kv(v, buffer.get() + c.shared * row), false, s.scale);
     const T* oc = static_cast<const T*>(common.out.data_ptr());
     const float* lc = static_cast<const float*>(common.lse.data_ptr());
     const int64_t oh = common.out.stride(1), ot = common.out.stride(2), lh = common.lse.stride(1), lt = common.lse.stride(2);
     T* out = static_cast<T*>(s.out);
+    // The chunks' own positions, one chunk after another (the flash kernel spreads each over the threads).
+    for (int64_t i = 0; i < members; ++i) {
+        const int64_t r = c.requests[i], n = offset[i + 1] - offset[i], len = s.seq_lens[r];
+        if (n == 1) continue;
+        std::unique_ptr<T[]> rows(new T[2 * len * row]);
+        std::unique_ptr<float[]> own(new float[n * width]), lse(new float[n * heads]);
+        flash_span(heads_view(queries.get() + offset[i] * width, dtype, heads, n, d, width, d), dtype, k, v,
+                   s.tables + r * s.table_width, c.shared, n, len, heads, s.num_kv_heads, d, s.block_size, s.scale,
+                   rows.get(), own.get(), lse.get());
+#pragma omp parallel for schedule(static) if (n * width >= (1 << 15))
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t h = 0; h < heads; ++h)
+                merge_row(out + ((s.qsl[r] + t) * heads + h) * d, oc + h * oh + (offset[i] + t) * ot,
+                          lc[h * lh + (offset[i] + t) * lt], own.get() + (t * heads + h) * d, lse[t * heads + h], d);
+    }
+    // The decodes' own positions, a task each.
     const int blocks = int(c.shared / s.block_size);
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < m; ++i) {
+    for (int64_t i = 0; i < members; ++i) {
         const int64_t r = c.requests[i], t = s.qsl[r];
+        if (offset[i + 1] - offset[i] != 1) continue;
         float q32[width], o32[width], lse[heads];
-        const T* q_raw = queries.get() + i * width;
+        const T* q_raw = queries.get() + offset[i] * width;
         for (int64_t e = 0; e < width; ++e) q32[e] = to_float(q_raw[e]);
         attend(q32, q_raw, k, v, s.tables + r * s.table_width + blocks, int(s.seq_lens[r] - c.shared), o32, int(heads),
                int(heads / s.num_kv_heads), int(d), int(s.block_size), row, s.scale, nullptr, lse);
         for (int64_t h = 0; h < heads; ++h)
-            merge_row(out + (t * heads + h) * d, oc + h * oh + i * ot, lc[h * lh + i * lt], o32 + h * d, lse[h], d);
+            merge_row(out + (t * heads + h) * d, oc + h * oh + offset[i] * ot, lc[h * lh + offset[i] * lt], o32 + h * d,
+                      lse[h], d);
     }
-    for (int64_t r : c.requests) request[s.qsl[r]] = -2;
+    for (int64_t r : c.requests)
+        for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
 }
 
 // q, the cache and out are all of one element type T.
 template <typename T>
 void run(const Step& s, ScalarType dtype, std::vector<int32_t>& request, const std::vector<int32_t>& length) {
-    run_flash<T>(s, dtype, request);
     for (const Cascade& c : plan_cascades(s)) run_cascade<T>(s, dtype, c, request);
+    run_flash<T>(s, dtype, request);
     const auto tiles = plan_tiles(s);
     for (const auto& tile : tiles)  // the per-token tasks below leave the tiled tokens alone
         for (int64_t t = tile[1]; t < tile[1] + tile[2]; ++t) request[t] = -2;

@@ -7,12 +7,13 @@
 // model's head shape and passes the chunk length from which this path serves
 // (toolkit/backends/cpu/attention_plan.py).
 //
-// How: the request's K and V rows are read in place where its blocks are consecutive in the cache, else
-// gathered out of its blocks into two contiguous buffers, and the
-// chunk's queries, which are the last n of its len positions, attend to them. The flash kernel's causal
-// mask is aligned top-left (query i sees keys 0..i), so a chunk over a cached prefix is two calls: the
-// prefix's P = len - n keys without a mask, and the chunk's own n keys with the causal mask; their
-// outputs are merged by the log-sum-exps the kernel returns. A chunk with no prefix is one causal call.
+// How: the chunk's queries, which are the last n of its len positions, attend to the request's K and V
+// rows. The flash kernel's causal mask is aligned top-left (query i sees keys 0..i), so a chunk over a
+// cached prefix is two calls: the prefix's P = len - n keys without a mask, and the chunk's own n keys
+// with the causal mask; their outputs are merged by the log-sum-exps the kernel returns. A chunk with no
+// prefix is one causal call. Each call's rows are read in place where the blocks holding them are
+// consecutive in the cache (so a cached prefix is, though the chunk's own blocks came later), else
+// gathered into a buffer. attention.cpp's cascade calls the same pieces for requests sharing a prefix.
 
 #pragma once
 
@@ -51,47 +52,43 @@ inline Tensor heads_view(void* data, ScalarType dtype, int64_t heads, int64_t ro
                                     dtype);
 }
 
-// The first len rows of a request's blocks, all kv heads: `cache` ([blocks, block_size, row]) into
-// `dst` ([len, row]).
+// Rows [from, to) of a request's K or V (rows of `row` elements, paged in `cache` [blocks, block_size,
+// row]): read in place where the blocks holding them are consecutive in the cache (a prompt's are, when
+// they were allocated together; a shared prefix's are, as its first request allocated them), else
+// gathered to dst + from * row. Returns the span's first row.
 template <typename T>
-void gather_rows(const T* cache, const int32_t* table, int64_t len, int64_t block_size, int64_t row, T* dst) {
-    for (int64_t b = 0; b * block_size < len; ++b) {
-        const int64_t rows = std::min(block_size, len - b * block_size);
-        std::memcpy(dst + b * block_size * row, cache + int64_t(table[b]) * block_size * row, rows * row * sizeof(T));
-    }
-}
-
-// The first len rows of a request's K and V, [len, row] each: in place where its blocks are consecutive
-// in the cache (a prompt's blocks are, when they were allocated together), else gathered into `buffer`
-// (2 x len x row elements).
-template <typename T>
-std::pair<const T*, const T*> request_rows(const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
-                                           int64_t block_size, int64_t row, T* buffer) {
+const T* span_rows(const T* cache, const int32_t* table, int64_t from, int64_t to, int64_t block_size, int64_t row,
+                   T* dst) {
+    const int64_t first = from / block_size, last = (to - 1) / block_size;
     bool consecutive = true;
-    for (int64_t b = 1; b * block_size < len && consecutive; ++b) consecutive = table[b] == table[0] + b;
-    if (consecutive) {
-        const int64_t first = int64_t(table[0]) * block_size * row;
-        return {k_cache + first, v_cache + first};
+    for (int64_t b = first + 1; b <= last && consecutive; ++b) consecutive = table[b] == table[first] + (b - first);
+    if (consecutive) return cache + (int64_t(table[first]) * block_size + from % block_size) * row;
+    for (int64_t p = from; p < to;) {
+        const int64_t b = p / block_size, rows = std::min((b + 1) * block_size, to) - p;
+        std::memcpy(dst + p * row, cache + (int64_t(table[b]) * block_size + p % block_size) * row,
+                    rows * row * sizeof(T));
+        p += rows;
     }
-    gather_rows(k_cache, table, len, block_size, row, buffer);
-    gather_rows(v_cache, table, len, block_size, row, buffer + len * row);
-    return {buffer, buffer + len * row};
+    return dst + from * row;
 }
 
 // One output row (one token, one head) from two attentions of it over disjoint sets of keys: x over
 // keys whose scores' log-sum-exp is lx, y over the others (lse ly). Each is weighted by its share of the
-// whole softmax's denominator. The one definition of the merge, for the flash path's two calls and for
-// the cascade's shared and own parts.
+// whole softmax's denominator; returns the whole's log-sum-exp. The one definition of the merge, for the
+// flash path's two calls and for the cascade's shared and own parts.
 template <typename T, typename X, typename Y>
-inline void merge_row(T* out, const X* x, float lx, const Y* y, float ly, int64_t head_dim) {
+inline float merge_row(T* out, const X* x, float lx, const Y* y, float ly, int64_t head_dim) {
     const float top = std::max(lx, ly), wx = std::exp(lx - top), wy = std::exp(ly - top), inv = 1.f / (wx + wy);
     for (int64_t d = 0; d < head_dim; ++d) put(out + d, (to_float(x[d]) * wx + to_float(y[d]) * wy) * inv);
+    return top + std::log(wx + wy);
 }
 
-// out rows [t0, t0 + n) of out ([tokens, heads, head_dim], contiguous) from one flash result, or from
-// two merged by their log-sum-exps (a: the prefix's keys, b: the chunk's).
-template <typename T>
-void write_flash(T* out, int64_t n, int64_t heads, int64_t head_dim, const FlashResult& a, const FlashResult* b) {
+// n rows of out ([n, heads, head_dim], contiguous; O is q's dtype or float) from one flash result, or
+// from two merged by their log-sum-exps (a: the earlier keys, b: the chunk's own); with `lse` ([n,
+// heads]), the rows' log-sum-exps too.
+template <typename T, typename O>
+void write_flash(O* out, float* lse, int64_t n, int64_t heads, int64_t head_dim, const FlashResult& a,
+                 const FlashResult* b) {
     const T* oa = static_cast<const T*>(a.out.data_ptr());
     const T* ob = b ? static_cast<const T*>(b->out.data_ptr()) : nullptr;
     const float* la = static_cast<const float*>(a.lse.data_ptr());
@@ -102,37 +99,51 @@ void write_flash(T* out, int64_t n, int64_t heads, int64_t head_dim, const Flash
 #pragma omp parallel for schedule(static) if (n * heads * head_dim >= (1 << 15))
     for (int64_t t = 0; t < n; ++t)
         for (int64_t h = 0; h < heads; ++h) {
-            T* o = out + (t * heads + h) * head_dim;
+            O* o = out + (t * heads + h) * head_dim;
             const T* x = oa + h * ah + t * at;
-            if (!b) {
-                std::memcpy(o, x, head_dim * sizeof(T));
-                continue;
-            }
-            merge_row(o, x, la[h * lah + t * lat], ob + h * bh + t * bt, lb[h * lbh + t * lbt], head_dim);
+            float l = la[h * lah + t * lat];
+            if (b)
+                l = merge_row(o, x, l, ob + h * bh + t * bt, lb[h * lbh + t * lbt], head_dim);
+            else
+                for (int64_t d = 0; d < head_dim; ++d) put(o + d, to_float(x[d]));
+            if (lse) lse[t * heads + h] = l;
         }
 }
 
-// One request's n new tokens (q rows from q_row), over its len positions, into out's rows from q_row.
-// k_cache and v_cache are [blocks, block_size, kv_heads, head_dim]; buffer holds 2 x len x row elements.
+// n queries (qv: [1, heads, n, head_dim]), the last n of a request's len positions, over its positions
+// [from, len): the chunk's own n keys with the causal mask, and the earlier [from, len - n), if any,
+// without one (two calls merged by log-sum-exp). Into out ([n, heads, head_dim]) and, with `lse`, their
+// log-sum-exps. k_cache and v_cache are [blocks, block_size, kv_heads, head_dim]; buffer holds 2 x len
+// rows (K's first, V's from row len), for the spans whose blocks are not consecutive.
+template <typename T, typename O>
+void flash_span(const Tensor& qv, ScalarType dtype, const T* k_cache, const T* v_cache, const int32_t* table,
+                int64_t from, int64_t n, int64_t len, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                int64_t block_size, double scale, T* buffer, O* out, float* lse) {
+    const int64_t row = kv_heads * head_dim, prefix = len - n;
+    auto kv = [&](const T* cache, T* dst, int64_t a, int64_t b) {  // the flash kernel only reads them
+        return heads_view(const_cast<T*>(span_rows(cache, table, a, b, block_size, row, dst)), dtype, kv_heads, b - a,
+                          head_dim, row, head_dim);
+    };
+    const FlashResult own = flash_attention(qv, kv(k_cache, buffer, prefix, len), kv(v_cache, buffer + len * row, prefix, len),
+                                            true, scale);
+    if (prefix == from) {
+        write_flash<T>(out, lse, n, heads, head_dim, own, nullptr);
+        return;
+    }
+    const FlashResult earlier = flash_attention(qv, kv(k_cache, buffer, from, prefix),
+                                                kv(v_cache, buffer + len * row, from, prefix), false, scale);
+    write_flash<T>(out, lse, n, heads, head_dim, earlier, &own);
+}
+
+// One request's n new tokens (q rows from q_row), over all its len positions, into out's rows from q_row.
 template <typename T>
 void flash_prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, ScalarType dtype, const T* k_cache,
                    const T* v_cache, const int32_t* table, int64_t q_row, int64_t n, int64_t len, int64_t heads,
                    int64_t kv_heads, int64_t head_dim, int64_t block_size, double scale, T* buffer, T* out) {
-    const int64_t row = kv_heads * head_dim, prefix = len - n;
-    const auto [keys, values] = request_rows(k_cache, v_cache, table, len, block_size, row, buffer);
     const Tensor qv = heads_view(const_cast<T*>(q + q_row * q_token_stride), dtype, heads, n, head_dim, q_token_stride,
                                  q_head_stride);
-    auto kv = [&](const T* base, int64_t first, int64_t rows) {  // the flash kernel only reads them
-        return heads_view(const_cast<T*>(base) + first * row, dtype, kv_heads, rows, head_dim, row, head_dim);
-    };
-    const FlashResult own = flash_attention(qv, kv(keys, prefix, n), kv(values, prefix, n), true, scale);
-    T* rows_out = out + q_row * heads * head_dim;
-    if (prefix == 0) {
-        write_flash(rows_out, n, heads, head_dim, own, nullptr);
-        return;
-    }
-    const FlashResult cached = flash_attention(qv, kv(keys, 0, prefix), kv(values, 0, prefix), false, scale);
-    write_flash(rows_out, n, heads, head_dim, cached, &own);
+    flash_span(qv, dtype, k_cache, v_cache, table, 0, n, len, heads, kv_heads, head_dim, block_size, scale, buffer,
+               out + q_row * heads * head_dim, static_cast<float*>(nullptr));
 }
 
 }  // namespace

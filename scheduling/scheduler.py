@@ -224,6 +224,10 @@ class Scheduler:
             self.connector.reset()
         return True
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is live here (waiting, preempted or running)."""
+        return request_id in self._requests
+
     def get_request(self, request_id: str) -> Request:
         """A live (waiting, preempted or running) request; finished ones have left the scheduler."""
         return self._requests[request_id]

@@ -54,8 +54,7 @@ class _Expected:
 
     seq: int
     prefill: int  # its prefill instance
-    args: tuple  # Engine._add_request's arguments
-    arrival: float
+    args: tuple  # Engine.admit's arguments, arrival time included
 
 
 @dataclass
@@ -153,6 +152,17 @@ class _Role:
 
 
 
+def whole_requests_due(whole: deque, door_head: int | None) -> list[tuple]:
+    """The requests a prefill instance serves whole that enter its engine now, taken from `whole`
+    ((seq, Engine.admit's arguments) in the order they were fed): every one while no prompt to hand
+    over waits at the door (door_head None), else those fed before the door's first prompt (seq
+    door_head). A whole request thus waits behind the prompts fed before it, never behind later ones."""
+    due = []
+    while whole and (door_head is None or whole[0][0] < door_head):
+        due.append(whole.popleft()[1])
+    return due
+
+
 class PrefillRole(_Role):
     def __init__(self, disagg: Disaggregation, block_size: int, kv_caches, num_kv_heads: int, backlog: int = 64,
                  max_local_prefill: int = 0, decode_token_cost: float = 0.0):
@@ -160,7 +170,7 @@ class PrefillRole(_Role):
         self.backlog = backlog
         self.block_size = block_size
         self._blocks: dict[str, int] = {}  # request id -> blocks of KV it sends (READY says so)
-        self._door: deque = deque()  # Engine._add_request's arguments of requests waiting for room
+        self._door: deque = deque()  # Engine.admit's arguments of requests waiting for room
         self._whole: deque = deque()  # (seq, the same) of requests served here whole, until their turn
         self._served: set[str] = set()  # requests served here whole, until they finish
         self.served_times = RoleTimes()
@@ -203,10 +213,8 @@ class PrefillRole(_Role):
         anyway, so a door that never empties (a small backlog under steady load) cannot starve it."""
         if self._door:
             self._let_in(engine)
-        while self._whole and (not self._door or self._whole[0][0] < self._tags[self._door[0][0]]):
-            _, args = self._whole.popleft()
-            engine._add_request(*args)
-            group = engine._groups.get(args[0])
+        for args in whole_requests_due(self._whole, self._tags[self._door[0][0]] if self._door else None):
+            group = engine.admit(*args)
             self.connector.keep(group.children if group is not None else ())
 
     def _let_in(self, engine) -> None:
@@ -214,7 +222,7 @@ class PrefillRole(_Role):
         if self.disagg.local_rank == 0:
             # The handed-over requests it holds: in the engine (but those served here whole) or staged.
             whole = len(self._served) - len(self._whole)
-            held = len(engine.outputs.groups) - whole + self.worker.staged_requests()
+            held = engine.num_held - whole + self.worker.staged_requests()
             room = max(0, self.backlog - held)
             stats = self.connector.handoff_stats
             stats.max_backlog = max(stats.max_backlog, held + min(room, len(self._door)))
@@ -225,7 +233,7 @@ class PrefillRole(_Role):
         if room < len(self._door):
             self.connector.handoff_stats.door_waits += 1
         for _ in range(min(room, len(self._door))):
-            engine._add_request(*self._door.popleft())
+            engine.admit(*self._door.popleft())
 
     def after_step(self, engine, finished: list) -> list:
         served = []
@@ -243,7 +251,7 @@ class PrefillRole(_Role):
         self._ship(engine)
         if self._done_owed:
             self._take_done()
-        if not engine._groups:
+        if not engine.num_held:
             self.worker.stalled()
             self._idle()
         return served
@@ -263,7 +271,7 @@ class PrefillRole(_Role):
     def _ship(self, engine) -> None:
         """Send the KV of the requests that just ended (their blocks are still whole: no forward ran
         since), then tell their decode instances."""
-        engine.worker.transfer_kv(engine.scheduler.pending_transfers())  # with the tiers' copies, if any
+        engine.flush_transfers()  # with the tiers' copies, if any
         for rid, ok in self.connector.take_outcomes():
             peer = self._peers.pop(rid)
             tag = self._tags.pop(rid)
@@ -355,11 +363,13 @@ class DecodeRole(_Role):
         if d is None or d != self.disagg.instance.index:
             return
         self._served.add(request_id)
-        args = (request_id, prompt_token_ids, params, prompt, priority, arrival_time, cache_salt)
+        # TTFT counts from the request's arrival here, not from when its prefill comes.
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        args = (request_id, prompt_token_ids, params, prompt, priority, arrival, cache_salt)
         if not handoff:
-            engine._add_request(*args)  # computed here alone
+            engine.admit(*args)  # computed here alone
             return
-        expected = _Expected(seq, p, args, time.monotonic())
+        expected = _Expected(seq, p, args)
         if seq in self._early:
             self._arrive(engine, expected, self._early.pop(seq))
             return
@@ -385,7 +395,7 @@ class DecodeRole(_Role):
             self.times.record(out, self._kv_ready.pop(out.request_id, out.metrics.arrival_time))
         if self.disagg.local_rank == 0:
             self.control.heartbeat()
-        if not engine._groups:
+        if not engine.num_held:
             if self._expected:
                 self._check_alive()
             self._idle()
@@ -432,8 +442,7 @@ class DecodeRole(_Role):
                 self._peers[holder] = self.disagg.instances("prefill")[expected.prefill]
                 self.connector.discard(holder, len(prompt_token_ids) - 1)
             return
-        engine._add_request(*expected.args)
-        engine._groups[rid].metrics.arrival_time = expected.arrival  # TTFT counts from the request's arrival
+        engine.admit(*expected.args)
         self._kv_ready[rid] = time.monotonic()
         if not ok:
             log.warning("request %s: its prefill instance failed it; the decode instance computes its prompt", rid)
@@ -441,8 +450,7 @@ class DecodeRole(_Role):
         holder = rid if params.n == 1 else f"{rid}#0"  # the first sequence loads the KV; others share or compute
         self._tags[holder] = expected.seq
         self._peers[holder] = self.disagg.instances("prefill")[expected.prefill]
-        request = engine.scheduler._requests.get(holder)
-        if request is None:  # rejected at once (it cannot fit this cache): the message is still taken
+        if not engine.holds(holder):  # rejected at once (it cannot fit this cache): the message is still taken
             self.connector.discard(holder, len(prompt_token_ids) - 1)
         else:
             self.connector.arrived(holder, len(prompt_token_ids) - 1)
@@ -459,8 +467,7 @@ class DecodeRole(_Role):
     def has_unfinished(self, engine, busy: bool) -> bool:
         if busy or self._expected:
             return True
-        # Drops of requests that ended before their KV loaded (and the tiers' write-through, if any).
-        engine.worker.transfer_kv(engine.scheduler.pending_transfers())
+        engine.flush_transfers()  # drops of requests that ended before their KV loaded; the tiers' write-through
         return False
 
     def finish_call(self, engine) -> None:

@@ -32,6 +32,7 @@ import json
 import shutil
 import subprocess
 import uuid
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -41,6 +42,7 @@ from tests.parallel.test_parallel import COMPILE_BACKEND, REPO, launch_two_nodes
 from tests.parallel.worker import sampled_report
 from tests.speculative.checkpoints import write_perturbed_draft
 from toolkit import LLM, SamplingParams
+from toolkit.disaggregated import whole_requests_due
 from toolkit.parallel import ParallelConfigError
 from toolkit.parallel.disaggregated import DisaggLayout, HeadRoute, Router, route_requests, transfer_plan
 from toolkit.parallel.tensor_parallel import kv_heads
@@ -200,6 +202,17 @@ ORACLE_KEYS = ("speculative_config", "quantization")
 UNCHUNKED = {"max_num_batched_tokens": 2048}  # the launch's default is a 16-token budget (chunked prefill)
 BLOCK = 16 * 2 * 2 * 2 * 16 * 4  # one llama3 KV block on a TP-1 rank: 16 tokens x 2 layers x K, V x 2 heads x 16 x 4 B
 TIER_GIB = 64 * BLOCK / 2**30
+
+
+def test_a_whole_served_request_waits_only_behind_prompts_fed_before_it():
+    """A prefill instance's requests served whole enter its engine behind the prompts it hands over,
+    but a door that never empties (a small prefill_backlog under steady load) cannot starve them: one
+    enters once every prompt fed before it has gone in, whatever came to the door after it."""
+    whole = deque([(2, "a"), (5, "b"), (9, "c")])
+    assert whole_requests_due(whole, door_head=1) == []  # prompt 1, fed before all of them, still waits
+    assert whole_requests_due(whole, door_head=6) == ["a", "b"]  # the door holds prompts 6, 7, ... only
+    assert whole_requests_due(whole, door_head=7) == [] and list(whole) == [(9, "c")]
+    assert whole_requests_due(whole, door_head=None) == ["c"] and not whole  # nothing at the door
 
 
 def composed(case) -> list[dict]:

@@ -81,7 +81,7 @@ def test_a_failing_detokenizer_fails_only_its_request(ckpt, prompts, expected, t
     engine = llm.engine
     for i, p in enumerate(prompts[:2]):
         engine.add_request(f"r{i}", p, GREEDY)
-    detok = engine._tracked["r1"].detokenizer
+    detok = engine.outputs.tracked["r1"].detokenizer
 
     def broken(tokens):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")

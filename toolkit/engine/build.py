@@ -32,7 +32,7 @@ class NoHooks:
     disagg = None
 
     def add_request(self, engine, *args) -> None:
-        engine._add_request(*args)
+        engine.admit(*args)
 
     def abort(self, engine, request_id: str) -> None:
         pass  # the engine's own abort ends what it holds

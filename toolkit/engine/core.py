@@ -41,8 +41,6 @@ class Engine:
     sampler = property(lambda self: self.worker.sampler)
     disagg = property(lambda self: getattr(self.hooks, "disagg", None) and self.hooks)
     tp = property(lambda self: self.parallel.tp if self.parallel is not None else None)
-    _tracked = property(lambda self: self.outputs.tracked)
-    _groups = property(lambda self: self.outputs.groups)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -117,14 +115,33 @@ class Engine:
         # A disaggregated role keeps only its own (every rank is fed every request); others add all.
         self.hooks.add_request(self, request_id, prompt_token_ids, params, prompt, priority, arrival_time, cache_salt)
 
-    def _add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     prompt: str | None, priority: int, arrival_time: float | None, cache_salt: str | None) -> None:
-        """A checked request into this engine (as its n sequences)."""
+    # --- what the engine's hooks call (build.py's NoHooks; a disaggregated role) --------------------
+
+    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+              priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None):
+        """A request `add_request` checked, into this engine now (as its n sequences); the hooks decide
+        when. Returns its RequestGroup (its sequences' ids, its metrics), None if it ended at once."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
         for req, child_params in self.outputs.add(request_id, prompt_token_ids, params, prompt, priority, arrival,
                                                   cache_salt):
             self.worker.add_request(req.request_id, child_params)
             self.scheduler.add_request(req)
+        return self.outputs.groups.get(request_id)
+
+    @property
+    def num_held(self) -> int:
+        """User requests admitted into this engine and not finished (a role's own queues not counted)."""
+        return len(self.outputs.groups)
+
+    def holds(self, sequence_id: str) -> bool:
+        """Whether the scheduler holds this sequence (waiting, preempted or running): one admitted can
+        already have been rejected (it cannot fit the cache)."""
+        return self.scheduler.holds(sequence_id)
+
+    def flush_transfers(self) -> None:
+        """The KV moves the scheduler's last update named (saves to the tiers, drops) to the connectors
+        now, before anything reuses those blocks (the core does it when it goes idle)."""
+        self.executor.transfer_kv(self.scheduler.pending_transfers())
 
     def serves(self, request_id: str) -> bool:
         """Whether step() will return this request's output here: always, except in a disaggregated
@@ -179,8 +196,7 @@ class Engine:
         elif self.scheduler.has_unfinished() and not (plan and (plan.rejected or plan.requeued)):
             raise RuntimeError("scheduler made no progress with requests pending (a bug: please report)")
         if not self.scheduler.has_unfinished():
-            # Idle now: the blocks the last update named go to the connector before anything reuses them.
-            self.executor.transfer_kv(self.scheduler.pending_transfers())
+            self.flush_transfers()
         return self.hooks.after_step(self, finished)
 
     def _retire(self, plan, result) -> list[RequestOutput]:

@@ -57,7 +57,7 @@ def test_edge_batches_and_padding_rows(specs):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_CONFIGS + [(12, 4), (12, 2)])  # query heads per kv head: 1-8
-@pytest.mark.parametrize("head_dim", [64, 72])  # bf16 dot products over 32 dims at a time; 72: the widened path
+@pytest.mark.parametrize("head_dim", [64, 72, 96])  # bf16 products and values 32 dims at a time (96: 64 + 32); 72: the widened path
 def test_half_caches(dtype, tol, num_heads, num_kv_heads, head_dim):
     batch = make_batch([(40, 1), (0, 23), (17, 9)], block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, dtype=dtype)

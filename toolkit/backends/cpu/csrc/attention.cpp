@@ -202,9 +202,63 @@ inline void head_scores(const float* q, const T* q_raw, const T* key, int n, int
         scores8_heads<H>(q, head_dim, key + i * row_stride, row_stride, head_dim, scale, p + i, block_size);
 }
 
+// Whether attend's accumulators hold each 32 dims of a head as its 16 even dims then its 16 odd ones
+// (value_chunks_bf16), put back in order when the task ends.
+template <typename T>
+inline bool values_paired(int head_dim) {
+#ifdef __AVX512F__
+    return std::is_same<T, uint16_t>::value && head_dim % 32 == 0;
+#else
+    return false;
+#endif
+}
+
+#ifdef __AVX512F__
+// value_tile_heads for bfloat16 values on AVX-512, C chunks of 32 dims: a chunk of a value row widens
+// to two float vectors, its even dims (the 32-bit lane shifted left 16) and its odd ones (the lane's
+// low half masked off), one instruction each and no unpacking across lanes, so the accumulators hold
+// the dims in that order (values_paired). Widening 8 dims at a time cost more than the products.
+template <int H, int C>
+inline void value_chunks_bf16(float* acc, int64_t acc_stride, const uint16_t* value, const float* p, int64_t p_stride,
+                              int n, int64_t row_stride, const float* correction) {
+    __m512 tile[H][2 * C];
+    for (int h = 0; h < H; ++h)
+        for (int c = 0; c < 2 * C; ++c)
+            tile[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * acc_stride + 16 * c), _mm512_set1_ps(correction[h]));
+    const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+    for (int i = 0; i < n; ++i) {
+        __m512 w[H];
+        for (int h = 0; h < H; ++h) w[h] = _mm512_set1_ps(p[h * p_stride + i]);
+        for (int c = 0; c < C; ++c) {
+            const __m512i x = _mm512_loadu_si512(value + i * row_stride + 32 * c);
+            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+            for (int h = 0; h < H; ++h) {
+                tile[h][2 * c] = _mm512_fmadd_ps(w[h], even, tile[h][2 * c]);
+                tile[h][2 * c + 1] = _mm512_fmadd_ps(w[h], odd, tile[h][2 * c + 1]);
+            }
+        }
+    }
+    for (int h = 0; h < H; ++h)
+        for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(acc + h * acc_stride + 16 * c, tile[h][c]);
+}
+#endif
+
 template <int H, typename T>
 inline void head_values(float* acc, const T* value, const float* p, int n, int head_dim, int64_t row_stride,
                         int block_size, const float* correction) {
+#ifdef __AVX512F__
+    if constexpr (std::is_same<T, uint16_t>::value) {
+        if (values_paired<T>(head_dim)) {
+            int d0 = 0;
+            for (; d0 + 64 <= head_dim; d0 += 64)
+                value_chunks_bf16<H, 2>(acc + d0, head_dim, value + d0, p, block_size, n, row_stride, correction);
+            if (d0 < head_dim)
+                value_chunks_bf16<H, 1>(acc + d0, head_dim, value + d0, p, block_size, n, row_stride, correction);
+            return;
+        }
+    }
+#endif
     int d0 = 0;
     for (; d0 + 64 <= head_dim; d0 += 64)
         value_tile_heads<H, 64>(acc + d0, head_dim, value + d0, p, block_size, n, row_stride, correction);
@@ -287,9 +341,12 @@ void attend(const float* q, const T* q_raw, const T* k, const T* v, const int32_
                                correction + h);
         }
     }
+    const bool paired = values_paired<T>(head_dim);
     for (int h = 0; h < num_heads; ++h) {
         const float inv = denom[h] > 0.f ? 1.f / denom[h] : 0.f;  // a length of 0 gives zeros
-        for (int d = 0; d < head_dim; ++d) out[h * head_dim + d] = acc[h * head_dim + d] * inv;
+        const float* a = acc + h * head_dim;
+        for (int d = 0; d < head_dim; ++d)  // paired: dim d of its 32-dim chunk is the chunk's (d % 2) * 16 + d / 2
+            out[h * head_dim + d] = (paired ? a[(d & ~31) + ((d & 1) << 4) + ((d & 31) >> 1)] : a[d]) * inv;
         if (lse) lse[h] = running_max[h] + std::log(denom[h]);  // the scores' log-sum-exp, for merging
     }
 }

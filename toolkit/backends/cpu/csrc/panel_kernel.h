@@ -216,54 +216,15 @@ void store(vec16 (&acc)[U][R], const B* __restrict bias, const float* __restrict
 
 inline vec16 broadcast(float v) { return vec16{} + v; }
 
-// R rows x 16 columns over all of K, float32 x. Each accumulator is a chain of dependent FMAs; with few
-// rows, U interleaved partial sums over k keep >= 8 chains in flight (2 FMA pipes x 4 cycles of latency).
-template <int R, int U, typename W, typename B, typename O>
-void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel, int64_t K,
-          const B* __restrict bias, const float* __restrict scale, O* __restrict out, int64_t out_stride, int cols) {
-    vec16 acc[U][R] = {};
-    int64_t k = 0;
-    if constexpr (paired<W>()) {  // one 64-byte load holds k (low halves) and k + 1 (high halves)
-        for (; k + 2 * U <= (K & ~int64_t(1)); k += 2 * U)
-            for (int u = 0; u < U; ++u) {
-                u32x16 v;
-                std::memcpy(&v, panel + (k + 2 * u) * NR, sizeof v);
-                const u32x16 lo = v << 16, hi = v & 0xFFFF0000u;
-                vec16 w0, w1;
-                std::memcpy(&w0, &lo, sizeof w0);
-                std::memcpy(&w1, &hi, sizeof w1);
-                for (int r = 0; r < R; ++r) {
-                    acc[u][r] += broadcast(x[r * x_stride + k + 2 * u]) * w0;
-                    acc[u][r] += broadcast(x[r * x_stride + k + 2 * u + 1]) * w1;
-                }
-            }
-        for (; k + 2 <= (K & ~int64_t(1)); k += 2)
-            for (int r = 0; r < R; ++r) {
-                acc[0][r] += broadcast(x[r * x_stride + k]) * widen16(panel + k * NR, 0);
-                acc[0][r] += broadcast(x[r * x_stride + k + 1]) * widen16(panel + k * NR, 1);
-            }
-    } else {
-        for (; k + U <= K; k += U)
-            for (int u = 0; u < U; ++u) {
-                const vec16 w = widen16(panel + (k + u) * NR);
-                for (int r = 0; r < R; ++r) acc[u][r] += broadcast(x[r * x_stride + k + u]) * w;
-            }
-    }
-    for (; k < K; ++k) {  // the rows past the partial sums' steps (paired: an odd K's last, in plain order)
-        const vec16 w = widen16(panel + k * NR);
-        for (int r = 0; r < R; ++r) acc[0][r] += broadcast(x[r * x_stride + k]) * w;
-    }
-    store<R, U, W>(acc, bias, scale, out, out_stride, cols);
-}
-
 // Partial sums per row for a tile of R rows: enough FMA chains in flight to fill the pipes.
 template <int R>
 constexpr int sums_for() { return R == 1 ? 8 : R == 2 ? 4 : R == 3 ? 3 : R < 7 ? 2 : 1; }
 
-// R rows of x (fewer than a full tile: a decode step's, a verify step's) against Q adjacent panels at
-// once: Q independent streams of weights per thread keep more cache-line misses in flight than one
-// panel's stream, which on an AMX Xeon read int8 panels at one row well below the memory's speed
-// (docs/benchmarks.md). U partial sums per panel and row. The last panel has `cols` columns.
+// R rows of x against Q adjacent panels at once (tile below is one panel): with fewer rows than a full
+// tile (a decode step's, a verify step's), Q independent streams of weights per thread keep more
+// cache-line misses in flight than one panel's stream, which on an AMX Xeon read int8 panels at one
+// row well below the memory's speed (docs/benchmarks.md). U partial sums per panel and row. The last
+// panel has `cols` columns.
 template <int Q, int U, int R, typename W, typename B, typename O>
 void panels_tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel, int64_t K,
                  const B* __restrict bias, const float* __restrict scale, O* __restrict out, int64_t out_stride,
@@ -288,8 +249,10 @@ void panels_tile(const float* __restrict x, int64_t x_stride, const W* __restric
         for (; k + 2 <= (K & ~int64_t(1)); k += 2)
             for (int q = 0; q < Q; ++q) {
                 const vec16 w0 = widen16(panel + q * K * NR + k * NR, 0), w1 = widen16(panel + q * K * NR + k * NR, 1);
-                for (int r = 0; r < R; ++r)
-                    acc[q][0][r] += broadcast(x[r * x_stride + k]) * w0 + broadcast(x[r * x_stride + k + 1]) * w1;
+                for (int r = 0; r < R; ++r) {
+                    acc[q][0][r] += broadcast(x[r * x_stride + k]) * w0;
+                    acc[q][0][r] += broadcast(x[r * x_stride + k + 1]) * w1;
+                }
             }
     } else {
         for (; k + U <= K; k += U)
@@ -307,6 +270,15 @@ void panels_tile(const float* __restrict x, int64_t x_stride, const W* __restric
     for (int q = 0; q < Q; ++q)
         store<R, U, W>(acc[q], bias ? bias + q * NR : nullptr, scale ? scale + q * NR : nullptr, out + q * NR,
                        out_stride, q + 1 == Q ? cols : NR);
+}
+
+// R rows x 16 columns (one panel) over all of K. Each accumulator is a chain of dependent FMAs; with
+// few rows, U interleaved partial sums over k keep >= 8 chains in flight (2 FMA pipes x 4 cycles of
+// latency).
+template <int R, int U, typename W, typename B, typename O>
+void tile(const float* __restrict x, int64_t x_stride, const W* __restrict panel, int64_t K,
+          const B* __restrict bias, const float* __restrict scale, O* __restrict out, int64_t out_stride, int cols) {
+    panels_tile<1, U, R>(x, x_stride, panel, K, bias, scale, out, out_stride, cols);
 }
 
 // R rows of x against every panel: each thread takes an even share of the panels (a fixed grouping

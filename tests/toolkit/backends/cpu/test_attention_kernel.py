@@ -183,6 +183,22 @@ def test_chunks_and_decodes_sharing_a_prefix_in_a_cascade_match_dense(dtype, tol
     torch.testing.assert_close(attend(batch, flash_min=flash_min).double(), dense_reference(batch), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(12, 4), (4, 4)])
+def test_a_cascade_of_decodes_on_the_tiles_matches_dense(head_dim, num_heads, num_kv_heads):
+    """bf16 decodes over a shared prefix: where the CPU has AMX, the shared part goes to the tile unit
+    (csrc/cascade_amx.h) in steps of 32 positions (64 dims of the outputs at a time, 16 query vectors a
+    task): 18 decodes sharing 5 blocks (80 positions: 64 through the tiles, 16 with each one's own), so
+    a kv head's vectors fill one task and part of the next; elsewhere ATen's kernel serves it."""
+    specs = [(90 + 3 * i, 1) for i in range(18)] + [(40, 1), (0, 5)]
+    batch = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       dtype=torch.bfloat16, num_pad=1, seed=head_dim)
+    share_leading_blocks(batch, list(range(18)), 5)
+    out = attend(batch, flash_min=16)
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=2e-2, rtol=2e-2)
+    assert not out[batch.num_tokens:].any()
+
+
 def test_strided_q_as_the_model_slices_it():
     batch = make_batch([(7, 3), (30, 1)], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
     fused = torch.cat([batch.q, torch.randn_like(batch.q)], dim=1)

@@ -42,6 +42,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cascade_amx.h"
 #include "flash_prefill.h"
 #include "stable_args.h"
 
@@ -473,11 +474,13 @@ void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
 struct Cascade {
     std::vector<int64_t> requests;
     int64_t shared;  // positions [0, shared) common to all, whole blocks, before each one's first new token
+    bool decodes;    // every member a decode: the shared part goes to the tiles (cascade_amx.h) where AMX is
 };
 
 inline int64_t new_tokens(const Step& s, int64_t r) { return s.qsl[r + 1] - s.qsl[r]; }
 
-inline std::vector<Cascade> plan_cascades(const Step& s) {
+// `align` (positions): the shared part of a cascade of decodes is a multiple of it (cascade_amx.h's).
+inline std::vector<Cascade> plan_cascades(const Step& s, int64_t align) {
     std::vector<Cascade> cascades;
     const int64_t least = std::max<int64_t>(s.flash_min, 2);
     if (s.flash_min <= 0) return cascades;
@@ -504,39 +507,53 @@ inline std::vector<Cascade> plan_cascades(const Step& s) {
                 while (b < limit && table[b] == lead[b]) ++b;
                 blocks = b;
             }
-            if (blocks > 0) cascades.push_back({{members.begin() + i, members.begin() + j}, blocks * s.block_size});
+            const bool decodes = rows == int64_t(j - i);
+            while (decodes && blocks > 0 && blocks * s.block_size % align) --blocks;
+            if (blocks > 0)
+                cascades.push_back({{members.begin() + i, members.begin() + j}, blocks * s.block_size, decodes});
         }
         i = j;
     }
     return cascades;
 }
 
-template <typename T>
-void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, std::vector<int32_t>& request) {
+// The shared part on AMX (cascade_amx.h): a task per kv head and 16 of its query vectors (the group's
+// rows times the kv head's query heads), into common [m, heads, d] and its log-sum-exps [m, heads].
+inline void shared_on_amx(const Step& s, const uint16_t* queries, int64_t m, const uint16_t* keys,
+                          const uint16_t* values, int64_t shared, float* common, float* lse) {
+    const int64_t heads = s.num_heads, d = s.head_dim, group = heads / s.num_kv_heads, row = s.num_kv_heads * d;
+    const int64_t vectors = m * group, tiles = (vectors + 15) / 16;
+#pragma omp parallel
+    {
+        configure_cascade_tiles();
+        std::vector<uint16_t> qt(16 * d);
+        std::vector<float> o(16 * d), l(16);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < s.num_kv_heads * tiles; ++task) {
+            const int64_t g = task / tiles, first = (task % tiles) * 16, n = std::min<int64_t>(16, vectors - first);
+            auto head_row = [&](int64_t j) {  // vector first + j: (row among the group's, query head) flattened
+                const int64_t vec = first + j;
+                return (vec / group) * heads + g * group + vec % group;
+            };
+            for (int64_t j = 0; j < n; ++j) std::memcpy(&qt[j * d], queries + head_row(j) * d, d * sizeof(uint16_t));
+            shared_amx(qt.data(), int(n), keys + g * d, values + g * d, row, shared, int(d), s.scale, o.data(), l.data());
+            for (int64_t j = 0; j < n; ++j) {
+                std::memcpy(common + head_row(j) * d, &o[j * d], d * sizeof(float));
+                lse[head_row(j)] = l[j];
+            }
+        }
+    }
+}
+
+// Each member's own positions, merged with its rows of the shared part (C: the shared part's element
+// type; oh/ot and lh/lt its strides per head and row).
+template <typename T, typename C>
+void finish_cascade(const Step& s, ScalarType dtype, const Cascade& c, const std::vector<int64_t>& offset,
+                    const T* queries, const C* oc, int64_t oh, int64_t ot, const float* lc, int64_t lh, int64_t lt) {
     const int64_t members = int64_t(c.requests.size()), heads = s.num_heads, d = s.head_dim;
     const int64_t row = s.num_kv_heads * d, width = heads * d;
-    std::vector<int64_t> offset(members + 1, 0);  // each member's first row among the cascade's queries
-    for (int64_t i = 0; i < members; ++i) offset[i + 1] = offset[i] + new_tokens(s, c.requests[i]);
-    const int64_t m = offset[members];
-    const T* q = static_cast<const T*>(s.q);
     const T* k = static_cast<const T*>(s.k);
     const T* v = static_cast<const T*>(s.v);
-    std::unique_ptr<T[]> queries(new T[m * width]), buffer(new T[2 * c.shared * row]);
-    for (int64_t i = 0; i < members; ++i)
-        for (int64_t t = 0; t < offset[i + 1] - offset[i]; ++t)
-            for (int64_t h = 0; h < heads; ++h)
-                std::memcpy(queries.get() + ((offset[i] + t) * heads + h) * d,
-                            q + (s.qsl[c.requests[i]] + t) * s.q_token_stride + h * s.q_head_stride, d * sizeof(T));
-    const int32_t* lead = s.tables + c.requests[0] * s.table_width;
-    auto kv = [&](const T* cache, T* dst) {
-        return heads_view(const_cast<T*>(span_rows(cache, lead, 0, c.shared, s.block_size, row, dst)), dtype,
-                          s.num_kv_heads, c.shared, d, row, d);
-    };
-    const FlashResult common = flash_attention(heads_view(queries.get(), dtype, heads, m, d, width, d),
-                                               kv(k, buffer.get()), kv(v, buffer.get() + c.shared * row), false, s.scale);
-    const T* oc = static_cast<const T*>(common.out.data_ptr());
-    const float* lc = static_cast<const float*>(common.lse.data_ptr());
-    const int64_t oh = common.out.stride(1), ot = common.out.stride(2), lh = common.lse.stride(1), lt = common.lse.stride(2);
     T* out = static_cast<T*>(s.out);
     // The chunks' own positions, one chunk after another (the flash kernel spreads each over the threads).
     for (int64_t i = 0; i < members; ++i) {
@@ -544,7 +561,7 @@ void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, std::vector<
         if (n == 1) continue;
         std::unique_ptr<T[]> rows(new T[2 * len * row]);
         std::unique_ptr<float[]> own(new float[n * width]), lse(new float[n * heads]);
-        flash_span(heads_view(queries.get() + offset[i] * width, dtype, heads, n, d, width, d), dtype, k, v,
+        flash_span(heads_view(const_cast<T*>(queries) + offset[i] * width, dtype, heads, n, d, width, d), dtype, k, v,
                    s.tables + r * s.table_width, c.shared, n, len, heads, s.num_kv_heads, d, s.block_size, s.scale,
                    rows.get(), own.get(), lse.get());
 #pragma omp parallel for schedule(static) if (n * width >= (1 << 15))
@@ -560,7 +577,7 @@ void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, std::vector<
         const int64_t r = c.requests[i], t = s.qsl[r];
         if (offset[i + 1] - offset[i] != 1) continue;
         float q32[width], o32[width], lse[heads];
-        const T* q_raw = queries.get() + offset[i] * width;
+        const T* q_raw = queries + offset[i] * width;
         for (int64_t e = 0; e < width; ++e) q32[e] = to_float(q_raw[e]);
         attend(q32, q_raw, k, v, s.tables + r * s.table_width + blocks, int(s.seq_lens[r] - c.shared), o32, int(heads),
                int(heads / s.num_kv_heads), int(d), int(s.block_size), row, s.scale, nullptr, lse);
@@ -568,6 +585,42 @@ void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, std::vector<
             merge_row(out + (t * heads + h) * d, oc + h * oh + offset[i] * ot, lc[h * lh + offset[i] * lt], o32 + h * d,
                       lse[h], d);
     }
+}
+
+template <typename T>
+void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, bool on_amx, std::vector<int32_t>& request) {
+    const int64_t members = int64_t(c.requests.size()), heads = s.num_heads, d = s.head_dim;
+    const int64_t row = s.num_kv_heads * d, width = heads * d;
+    std::vector<int64_t> offset(members + 1, 0);  // each member's first row among the cascade's queries
+    for (int64_t i = 0; i < members; ++i) offset[i + 1] = offset[i] + new_tokens(s, c.requests[i]);
+    const int64_t m = offset[members];
+    const T* q = static_cast<const T*>(s.q);
+    std::unique_ptr<T[]> queries(new T[m * width]), buffer(new T[2 * c.shared * row]);
+    for (int64_t i = 0; i < members; ++i)
+        for (int64_t t = 0; t < offset[i + 1] - offset[i]; ++t)
+            for (int64_t h = 0; h < heads; ++h)
+                std::memcpy(queries.get() + ((offset[i] + t) * heads + h) * d,
+                            q + (s.qsl[c.requests[i]] + t) * s.q_token_stride + h * s.q_head_stride, d * sizeof(T));
+    const int32_t* lead = s.tables + c.requests[0] * s.table_width;
+    const T* keys = span_rows(static_cast<const T*>(s.k), lead, 0, c.shared, s.block_size, row, buffer.get());
+    const T* values = span_rows(static_cast<const T*>(s.v), lead, 0, c.shared, s.block_size, row,
+                                buffer.get() + c.shared * row);
+    if constexpr (std::is_same<T, uint16_t>::value) {
+        if (on_amx && c.decodes) {
+            std::unique_ptr<float[]> common(new float[m * width]), lse(new float[m * heads]);
+            shared_on_amx(s, queries.get(), m, keys, values, c.shared, common.get(), lse.get());
+            finish_cascade<T>(s, dtype, c, offset, queries.get(), common.get(), d, width, lse.get(), 1, heads);
+            for (int64_t r : c.requests)
+                for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
+            return;
+        }
+    }
+    auto kv = [&](const T* rows) { return heads_view(const_cast<T*>(rows), dtype, s.num_kv_heads, c.shared, d, row, d); };
+    const FlashResult common = flash_attention(heads_view(queries.get(), dtype, heads, m, d, width, d), kv(keys),
+                                               kv(values), false, s.scale);
+    finish_cascade<T>(s, dtype, c, offset, queries.get(), static_cast<const T*>(common.out.data_ptr()),
+                      common.out.stride(1), common.out.stride(2), static_cast<const float*>(common.lse.data_ptr()),
+                      common.lse.stride(1), common.lse.stride(2));
     for (int64_t r : c.requests)
         for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
 }
@@ -575,7 +628,10 @@ void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, std::vector<
 // q, the cache and out are all of one element type T.
 template <typename T>
 void run(const Step& s, ScalarType dtype, std::vector<int32_t>& request, const std::vector<int32_t>& length) {
-    for (const Cascade& c : plan_cascades(s)) run_cascade<T>(s, dtype, c, request);
+    // On AMX the shared part of a cascade of decodes goes to the tiles, a multiple of CASCADE_ALIGN
+    // positions (the rest go with each member's own); ATen's kernel stays faster for chunks' many rows.
+    const bool on_amx = cascade_on_amx(std::is_same<T, uint16_t>::value, s.head_dim);
+    for (const Cascade& c : plan_cascades(s, on_amx ? CASCADE_ALIGN : 1)) run_cascade<T>(s, dtype, c, on_amx, request);
     run_flash<T>(s, dtype, request);
     const auto tiles = plan_tiles(s);
     for (const auto& tile : tiles)  // the per-token tasks below leave the tiled tokens alone

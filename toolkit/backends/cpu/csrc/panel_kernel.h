@@ -26,8 +26,6 @@
 #include <vector>
 
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -35,6 +33,7 @@
 
 #include <torch/csrc/inductor/aoti_torch/c/shim_cpu.h>  // oneDNN's linear, when torch has oneDNN
 
+#include "amx_tiles.h"
 #include "stable_args.h"
 
 namespace {
@@ -313,21 +312,6 @@ void few_rows(const float* x, int64_t x_stride, const W* panels, const B* bias, 
 // products of bf16 values are exact in float32; AMX treats float32 subnormals as zero (a K below 32,
 // or the k past the last whole block of 32, takes the FMA path and rounds as torch does).
 constexpr int AMX_K = 32;  // k per B tile: 16 pairs
-
-struct TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// Whether this process may use the tile registers: Linux hands them out on request (once per process).
-inline bool amx_ready() {
-    static const bool ready = [] {
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
-    return ready;
-}
 
 // The tiles for up to 32 rows of x (two halves h of up to 16) times two panels q: C (tile 2q + h: rows
 // x 16 float32), A_h (tile 4 + h: rows x 32 bf16) and B_q (tile 6 + q: 16 pairs x 16 columns), all 8.

@@ -1,6 +1,7 @@
 // The shared part of a cascade (attention.cpp's run_cascade) on AMX tiles: up to 16 bf16 query vectors
-// of one kv head against the shared positions' K and V, read in place. ATen's flash kernel, which served
-// it before, ran a decode cascade (16 queries x 1,024 keys) at about a tenth of the tile unit's rate.
+// of one kv head against the shared positions' K and V, read in place. At a decode cascade's shape (a
+// few queries, a long prefix) ATen's flash kernel spends most of its time outside its GEMMs
+// (docs/benchmarks.md); chunks, with their hundreds of rows, keep it.
 //
 // Two passes, so no running max rescales the accumulators:
 // - scores as S^T = K Q^T: A is 16 positions' K rows as they lie (32 dims a tile), B the query vectors

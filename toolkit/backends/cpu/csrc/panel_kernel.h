@@ -382,8 +382,6 @@ void amx_block(const uint16_t* __restrict x, int64_t x_stride, const uint16_t* _
 // which reads them nearer the memory's speed (docs/benchmarks.md).
 constexpr int AMX_ROW_PANELS = 4;
 
-constexpr int64_t AMX_ROWS_MAX = 64;  // rows that go 16 at a time against four panels (linear_amx_rows)
-
 inline void configure_row_tiles(int rows) {
     TileConfig c;
     for (int t = 0; t < 5; ++t) c.rows[t] = uint8_t(rows), c.colsb[t] = 64;
@@ -434,10 +432,8 @@ void amx_row_block(const uint16_t* __restrict x, int64_t x_stride, const uint16_
     }
 }
 
-// Up to AMX_ROWS_MAX rows of bf16 x times every panel: each thread takes an even share of the panels,
-// four at a time (the last group of a share fewer), and runs every 16 rows against the four in turn:
-// the first 16 stream the four panels' weights from memory, the rest read them again from L2. The tiles
-// are configured again only when the row count changes (the last 16 may be fewer).
+// Up to 16 rows of bf16 x times every panel: each thread takes an even share of the panels, four at a
+// time (the last group of a share fewer), with the tiles configured once per thread.
 template <typename B, typename O>
 void linear_amx_rows(const uint16_t* x, int64_t x_stride, const uint16_t* panels, const B* bias, O* out, int64_t M,
                      int64_t N, int64_t K) {
@@ -445,16 +441,12 @@ void linear_amx_rows(const uint16_t* x, int64_t x_stride, const uint16_t* panels
 #pragma omp parallel if (P > 1)
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), end = P * (t + 1) / threads;
-        int configured = 0;
+        configure_row_tiles(int(M));
         for (int64_t p = P * t / threads; p < end; p += AMX_ROW_PANELS) {
             const int here = int(std::min<int64_t>(AMX_ROW_PANELS, end - p));
             const int cols = int(std::min<int64_t>(NR, N - (p + here - 1) * NR));
-            for (int64_t m = 0; m < M; m += 16) {
-                const int rows = int(std::min<int64_t>(16, M - m));
-                if (rows != configured) configure_row_tiles(configured = rows);
-                amx_row_block(x + m * x_stride, x_stride, panels + p * K * NR, K, bias ? bias + p * NR : nullptr,
-                              out + m * N + p * NR, N, rows, here, cols);
-            }
+            amx_row_block(x, x_stride, panels + p * K * NR, K, bias ? bias + p * NR : nullptr, out + p * NR, N, int(M),
+                          here, cols);
         }
     }
 }
@@ -587,7 +579,7 @@ void linear(const float* x, int64_t x_stride, const W* panels, const B* bias, co
 template <typename B, typename O>
 void linear_amx(const uint16_t* x, int64_t x_stride, const uint16_t* panels, const B* bias, O* out, int64_t M,
                 int64_t N, int64_t K) {
-    if (M <= AMX_ROWS_MAX) return linear_amx_rows(x, x_stride, panels, bias, out, M, N, K);
+    if (M <= 16) return linear_amx_rows(x, x_stride, panels, bias, out, M, N, K);
     const int64_t P = (N + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t rows = std::min(MC, M - m0);

@@ -103,9 +103,12 @@ def _feed(runner, seq: list[int], feed: str) -> torch.Tensor:
     if blocks and blocks[-1] >= runner.kv_spec.num_blocks:
         raise ValueError(f"a sequence of {len(seq)} tokens needs more than the {runner.kv_spec.num_blocks} KV blocks")
     first = len(seq) if feed == "prefill" else 1
-    inputs = runner.prepare([ScheduledRequest("teacher", seq[:first], 0, blocks, True)])
-    inputs.logits_indices = torch.arange(first)
-    rows = [runner.execute(inputs)]
+    # Every position's logits as a prompt-logprobs request asks for them: the sampled row (the last
+    # position) first, then the prompt's. The runner marks these inputs dynamic, as it marks a served
+    # step's, so one compiled graph serves every length.
+    out = runner.execute(runner.prepare([ScheduledRequest("teacher", seq[:first], 0, blocks, True,
+                                                          num_prompt_logits=first - 1)]))
+    rows = [out[1:], out[:1]]
     for pos in range(first, len(seq)):
         rows.append(runner.execute(runner.prepare([ScheduledRequest("teacher", [seq[pos]], pos, blocks, True)])))
     return torch.cat(rows)

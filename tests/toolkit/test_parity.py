@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.scheduling import ScheduledRequest
 from tests.checkpoints import FAMILIES, hf_greedy, random_prompts, write_checkpoint
+from tests.toolkit.bf16_error import engine_logits
 from toolkit import LLM, SamplingParams
 
 NUM_PROMPTS = 8
@@ -120,10 +120,7 @@ def test_half_prefill_logits_are_as_close_as_transformers_in_the_same_dtype(fami
 
 def prefill_logits(runner, prompt: list[int]) -> torch.Tensor:
     """The logits of every position of a prompt prefilled in one step."""
-    blocks = list(range((len(prompt) + 15) // 16))
-    inputs = runner.prepare([ScheduledRequest("r", prompt, 0, blocks, True)])
-    inputs.logits_indices = torch.arange(len(prompt))
-    return runner.execute(inputs)
+    return engine_logits(runner, [prompt])[0]
 
 
 def count_preemptions(llm: LLM) -> dict:

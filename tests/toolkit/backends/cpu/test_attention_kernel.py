@@ -82,12 +82,16 @@ def test_prefill_chunks_in_tiles_match_dense(dtype, tol, num_heads, num_kv_heads
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_CONFIGS + [(9, 3)])
 @pytest.mark.parametrize("flash_min", [2, 24])
-def test_chunks_through_aten_flash_attention_match_dense(dtype, tol, num_heads, num_kv_heads, flash_min):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_chunks_through_aten_flash_attention_match_dense(dtype, tol, num_heads, num_kv_heads, flash_min, head_dim):
     """Requests of flash_min+ new tokens go to ATen's flash attention on their gathered K/V: first chunks
     (one causal call) and chunks over a cached prefix (two calls merged by log-sum-exp), beside requests
-    the tiles and per-token tasks keep, decodes, a request with no new token and padding rows."""
-    specs = [(100, 50), (0, 37), (33, 24), (5, 12), (0, 1), (70, 2), (16, 48), (9, 0), (0, 2)]
-    batch = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+    the tiles and per-token tasks keep, decodes, a request with no new token and padding rows. In bf16
+    on AMX they go to the tiles instead (flash_on_amx: 16 tokens of one head a task, each seeing the
+    positions up to its own; 50 new tokens over 100 cached ones end mid-task and mid-32-position step),
+    but for a request of more than 768 positions, which stays with ATen's kernel."""
+    specs = [(100, 50), (0, 37), (33, 24), (5, 12), (0, 1), (70, 2), (16, 48), (9, 0), (0, 2), (760, 40)]
+    batch = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        dtype=dtype, num_pad=2, seed=flash_min)
     out = attend(batch, flash_min=flash_min)
     assert out.dtype == dtype

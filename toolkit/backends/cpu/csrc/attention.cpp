@@ -23,6 +23,7 @@
 // With flash_min > 0, a request with at least flash_min new tokens goes instead to ATen's CPU flash
 // attention on its gathered K/V (flash_prefill.h): GEMM-shaped, faster than the tiles on some CPUs and
 // slower on others, so the engine measures where it starts to pay (toolkit/backends/cpu/attention_plan.py).
+// In bf16 on AMX such a request goes to the tile unit instead (flash_on_amx, cascade_amx.h), causal.
 // Likewise requests that begin with the same blocks (a shared prompt prefix), decodes and such chunks,
 // with flash_min or more new tokens between them, attend to those blocks together, as one chunk of that
 // many rows (cascade attention, run_cascade below).
@@ -442,11 +443,75 @@ void attend_tile(const Step& s, const std::array<int64_t, 3>& tile, int64_t kv_h
                 put(out + ((t0 + t) * s.num_heads + kv_head * group + h) * d + i, o32[(t * group + h) * d + i]);
 }
 
+// A flash request on AMX's tiles (cascade_amx.h), bf16: its K/V rows [0, len) copied out of the blocks
+// (and zero past len, up to a multiple of 32), V packed once per kv head, then a task per query head and
+// 16 consecutive tokens: each token sees the positions up to its own, so a block of tokens reads only
+// the positions its last one sees, and none is computed to be masked (ATen's kernel computes whole
+// 512-position blocks of a short prompt and masks them; its softmax's libm exponentials were most of its
+// time on short prompts).
+// Up to this many positions: past it each block of 16 tokens re-reading every position lost to ATen's
+// kernel (1.2x its time for two 1,088-token prompts, 0.7-0.9x at 64-768; docs/benchmarks.md).
+constexpr int64_t FLASH_AMX_MAX_LEN = 768;
+
+inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
+    const int64_t begin = s.qsl[r], n = s.qsl[r + 1] - begin, len = s.seq_lens[r], from = len - n;
+    const int64_t d = s.head_dim, row = s.num_kv_heads * d, group = s.num_heads / s.num_kv_heads;
+    const int64_t padded = (len + CASCADE_ALIGN - 1) / CASCADE_ALIGN * CASCADE_ALIGN, blocks = (n + 15) / 16;
+    std::unique_ptr<uint16_t[]> rows(new uint16_t[2 * padded * row]),
+        packed(new uint16_t[size_t(s.num_kv_heads) * padded * d]);
+    uint16_t *k = rows.get(), *v = k + padded * row;
+    const int32_t* table = s.tables + r * s.table_width;
+    gather_rows(static_cast<const uint16_t*>(s.k), table, 0, len, s.block_size, row, k);
+    gather_rows(static_cast<const uint16_t*>(s.v), table, 0, len, s.block_size, row, v);
+    // A hidden position's P is 0, but 0 times a NaN is not: the rows past len must hold numbers.
+    std::memset(k + len * row, 0, (padded - len) * row * sizeof(uint16_t));
+    std::memset(v + len * row, 0, (padded - len) * row * sizeof(uint16_t));
+    const int64_t groups = d / 64, steps = padded / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < s.num_kv_heads * groups * steps; ++task) {
+        const int64_t h = task / (groups * steps), g = task / steps % groups, p0 = task % steps * 32;
+        uint16_t* to = packed.get() + size_t(h) * padded * d + packed_offset(padded, p0, int(g * 64));
+        pack_values(v + h * d, row, p0, int(g * 64), to);
+    }
+    const uint16_t* q = static_cast<const uint16_t*>(s.q);
+#pragma omp parallel
+    {
+        configure_cascade_tiles();
+        std::vector<uint16_t> qt(16 * d, 0);
+        std::vector<float> o(16 * d), lse(16);
+        // The longest blocks (the last tokens') first, so the short ones fill in at the end.
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < s.num_heads * blocks; ++task) {
+            const int64_t head = task % s.num_heads, first = (blocks - 1 - task / s.num_heads) * 16;
+            const int64_t m = std::min<int64_t>(16, n - first), h = head / group, seen = from + first + m;
+            for (int64_t j = 0; j < m; ++j)
+                std::memcpy(&qt[j * d], q + (begin + first + j) * s.q_token_stride + head * s.q_head_stride,
+                            d * sizeof(uint16_t));
+            shared_amx(qt.data(), int(m), k + h * d, v + h * d, row,
+                       (seen + CASCADE_ALIGN - 1) / CASCADE_ALIGN * CASCADE_ALIGN, int(d), s.scale, o.data(),
+                       lse.data(), from + first, packed.get() + size_t(h) * padded * d, padded);
+            for (int64_t j = 0; j < m; ++j)
+                for (int64_t i = 0; i < d; ++i)
+                    put(out + ((begin + first + j) * s.num_heads + head) * d + i, o[j * d + i]);
+        }
+    }
+}
+
 // The flash requests one after another (the flash kernel spreads each over the threads itself), but
-// those a cascade computed.
+// those a cascade computed. In bf16 on AMX those of at most FLASH_AMX_MAX_LEN positions go to the tiles
+// (flash_on_amx).
 template <typename T>
 void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
     auto pending = [&](int64_t r) { return is_flash(s, r) && request[s.qsl[r]] != -2; };
+    if constexpr (std::is_same<T, uint16_t>::value) {
+        if (dtype == ScalarType::BFloat16 && cascade_on_amx(true, s.head_dim)) {
+            for (int64_t r = 0; r < s.requests; ++r) {
+                if (!pending(r) || s.seq_lens[r] > FLASH_AMX_MAX_LEN) continue;
+                flash_on_amx(s, r, static_cast<uint16_t*>(s.out));
+                for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
+            }
+        }
+    }
     int64_t longest = 0;
     for (int64_t r = 0; r < s.requests; ++r)
         if (pending(r)) longest = std::max<int64_t>(longest, s.seq_lens[r]);

@@ -1,7 +1,9 @@
 // The shared part of a cascade (attention.cpp's run_cascade) on AMX tiles: up to 16 bf16 query vectors
 // of one kv head against the shared positions' K and V, read in place. At a decode cascade's shape (a
 // few queries, a long prefix) ATen's flash kernel spends most of its time outside its GEMMs
-// (docs/benchmarks.md); chunks, with their hundreds of rows, keep it.
+// (docs/benchmarks.md); a cascade's chunks, with their hundreds of rows, keep it. With a causal mask
+// the same function takes a flash request's attention (attention.cpp's flash_on_amx): 16 consecutive
+// tokens of one query head over the positions the last of them sees.
 //
 // Two passes, so no running max rescales the accumulators:
 // - scores as S^T = K Q^T: A is 16 positions' K rows as they lie (32 dims a tile), B the query vectors
@@ -62,11 +64,43 @@ inline void configure_cascade_tiles() {
     _tile_loadconfig(&c);
 }
 
+// V's rows [p0, p0 + 32) (position p's row at p * row elements), dims [g, g + 64), as pass 2's four B
+// tiles (512 elements each, 16 dims a tile): row i of a tile is positions p0 + 2i and + 1 interleaved.
+inline void pack_values(const uint16_t* v, int64_t row, int64_t p0, int g, uint16_t* vb) {
+    int16_t lo[32], hi[32];
+    for (int t = 0; t < 16; ++t) lo[2 * t] = int16_t(t), lo[2 * t + 1] = int16_t(32 + t),
+                                 hi[2 * t] = int16_t(16 + t), hi[2 * t + 1] = int16_t(48 + t);
+    const __m512i lo_idx = _mm512_loadu_si512(lo), hi_idx = _mm512_loadu_si512(hi);
+    for (int i = 0; i < 16; ++i) {
+        const uint16_t* a = v + (p0 + 2 * i) * row + g;
+        for (int c = 0; c < 2; ++c) {
+            const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(a + row + 32 * c);
+            _mm512_storeu_si512(vb + size_t(2 * c) * 512 + i * 32, _mm512_permutex2var_epi16(x, lo_idx, y));
+            _mm512_storeu_si512(vb + size_t(2 * c + 1) * 512 + i * 32, _mm512_permutex2var_epi16(x, hi_idx, y));
+        }
+    }
+}
+
+// Where pack_values put positions [p0, p0 + 32) and dims [g, g + 64) in a whole packed V of `len` positions.
+inline size_t packed_offset(int64_t len, int64_t p0, int g) {
+    return (size_t(g / 64) * size_t(len / 32) + size_t(p0 / 32)) * 2048;
+}
+
+// Bits of the query vectors j that see position p: all, or (causal) those with p <= causal_from + j.
+inline __mmask16 visible(int64_t p, int64_t causal_from) {
+    const int64_t ahead = p - causal_from;
+    return ahead <= 0 ? __mmask16(0xFFFF) : ahead > 15 ? __mmask16(0) : __mmask16((0xFFFF << ahead) & 0xFFFF);
+}
+
 // n (<= 16) query vectors q ([n, d], contiguous) of one kv head against positions [0, len) (len a multiple
-// of CASCADE_ALIGN) of that head's K and V (k, v: position p's row at p * row elements). out: [n, d] float,
-// normalized; lse: [n]. The tiles must be configured (configure_cascade_tiles) on this thread.
+// of CASCADE_ALIGN) of that head's K and V (k, v: position p's row at p * row elements). Query j sees
+// position p only where p <= causal_from + j (a chunk's 16 consecutive tokens of one head, causal_from
+// the first one's position; INT64_MAX: every position). `packed`: V already in pass 2's order
+// (pack_values over `packed_len` positions), or null to pack it here. out: [n, d] float, normalized; lse:
+// [n]. The tiles must be configured (configure_cascade_tiles) on this thread.
 inline void shared_amx(const uint16_t* q, int n, const uint16_t* k, const uint16_t* v, int64_t row, int64_t len, int d,
-                       float scale, float* out, float* lse) {
+                       float scale, float* out, float* lse, int64_t causal_from = INT64_MAX,
+                       const uint16_t* packed = nullptr, int64_t packed_len = 0) {
     const int chunks = d / 32;
     // B of pass 1: chunk c's tile, row i = dims 32c + 2i and + 1 of each query vector (a 32-bit word each).
     std::vector<uint32_t> qb(size_t(chunks) * 256, 0u);
@@ -85,7 +119,8 @@ inline void shared_amx(const uint16_t* q, int n, const uint16_t* k, const uint16
         _tile_stored(0, &scores[size_t(p0) * 16], 64);
     }
     __m512 top = _mm512_set1_ps(-FLT_MAX);
-    for (int64_t p = 0; p < len; ++p) top = _mm512_max_ps(top, _mm512_loadu_ps(&scores[size_t(p) * 16]));
+    for (int64_t p = 0; p < len; ++p)
+        top = _mm512_mask_max_ps(top, visible(p, causal_from), top, _mm512_loadu_ps(&scores[size_t(p) * 16]));
     float max[16], sum[16];
     _mm512_storeu_ps(max, top);
     // P in place, down the rows (16 queries a vector), and its sums.
@@ -93,7 +128,9 @@ inline void shared_amx(const uint16_t* q, int n, const uint16_t* k, const uint16
     __m512 total = _mm512_setzero_ps();
     for (int64_t p = 0; p < len; ++p) {
         float* e = &scores[size_t(p) * 16];
-        const __m512 x = exp_nonpositive(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(e), _mm512_set1_ps(scale)), shift));
+        // A hidden position's score may be anything: it is not exponentiated, and its P is 0.
+        const __m512 x = _mm512_maskz_mov_ps(visible(p, causal_from), exp_nonpositive(_mm512_sub_ps(
+            _mm512_mul_ps(_mm512_loadu_ps(e), _mm512_set1_ps(scale)), shift)));
         _mm512_storeu_ps(e, x);
         total = _mm512_add_ps(total, x);
     }
@@ -108,37 +145,23 @@ inline void shared_amx(const uint16_t* q, int n, const uint16_t* k, const uint16
             std::memcpy(&pa[size_t(j) * len + p0], &h, 32);
         }
     // B of pass 2: for 32 positions, 16 rows (pairs of positions) x 16 dims, one tile per 16 dims.
-    std::vector<uint16_t> vb(size_t(d / 16) * 512);
-    __m512i lo_idx, hi_idx;
-    {
-        int16_t lo[32], hi[32];
-        for (int t = 0; t < 16; ++t) lo[2 * t] = int16_t(t), lo[2 * t + 1] = int16_t(32 + t),
-                                     hi[2 * t] = int16_t(16 + t), hi[2 * t + 1] = int16_t(48 + t);
-        lo_idx = _mm512_loadu_si512(lo);
-        hi_idx = _mm512_loadu_si512(hi);
-    }
+    std::vector<uint16_t> own(packed ? 0 : 2048);
     for (int g = 0; g < d; g += 64) {  // 64 dims of the outputs in C tiles 0-3
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t p0 = 0; p0 < len; p0 += 32) {
-            for (int i = 0; i < 16; ++i) {
-                const uint16_t* a = v + (p0 + 2 * i) * row + g;
-                for (int c = 0; c < 2; ++c) {
-                    const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(a + row + 32 * c);
-                    _mm512_storeu_si512(&vb[size_t(2 * c) * 512 + i * 32], _mm512_permutex2var_epi16(x, lo_idx, y));
-                    _mm512_storeu_si512(&vb[size_t(2 * c + 1) * 512 + i * 32], _mm512_permutex2var_epi16(x, hi_idx, y));
-                }
-            }
+            const uint16_t* vb = packed ? packed + packed_offset(packed_len, p0, g) : own.data();
+            if (!packed) pack_values(v, row, p0, g, own.data());
             _tile_loadd(4, &pa[size_t(p0)], len * int64_t(sizeof(uint16_t)));
-            _tile_loadd(5, &vb[0], 64);
+            _tile_loadd(5, vb, 64);
             _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, &vb[512], 64);
+            _tile_loadd(6, vb + 512, 64);
             _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(7, &vb[1024], 64);
+            _tile_loadd(7, vb + 1024, 64);
             _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, &vb[1536], 64);
+            _tile_loadd(5, vb + 1536, 64);
             _tile_dpbf16ps(3, 4, 5);
         }
         float o[16][64];
@@ -154,7 +177,9 @@ inline void shared_amx(const uint16_t* q, int n, const uint16_t* k, const uint16
 #else
 inline void configure_cascade_tiles() {}
 inline void shared_amx(const uint16_t*, int, const uint16_t*, const uint16_t*, int64_t, int64_t, int, float, float*,
-                       float*) {}
+                       float*, int64_t = 0, const uint16_t* = nullptr, int64_t = 0) {}
+inline void pack_values(const uint16_t*, int64_t, int64_t, int, uint16_t*) {}
+inline size_t packed_offset(int64_t, int64_t, int) { return 0; }
 #endif
 
 }  // namespace

@@ -89,8 +89,10 @@ def test_chunks_through_aten_flash_attention_match_dense(dtype, tol, num_heads, 
     the tiles and per-token tasks keep, decodes, a request with no new token and padding rows. In bf16
     on AMX they go to the tiles instead (flash_on_amx: 16 tokens of one head a task, each seeing the
     positions up to its own; 50 new tokens over 100 cached ones end mid-task and mid-32-position step),
-    but for a request of more than 768 positions, which stays with ATen's kernel."""
-    specs = [(100, 50), (0, 37), (33, 24), (5, 12), (0, 1), (70, 2), (16, 48), (9, 0), (0, 2), (760, 40)]
+    but for requests of more than 2,048 positions or fewer than a tenth of them new, which stay with
+    ATen's kernel."""
+    specs = [(100, 50), (0, 37), (33, 24), (5, 12), (0, 1), (70, 2), (16, 48), (9, 0), (0, 2), (400, 40),
+             (2040, 240)]
     batch = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        dtype=dtype, num_pad=2, seed=flash_min)
     out = attend(batch, flash_min=flash_min)

@@ -449,9 +449,18 @@ void attend_tile(const Step& s, const std::array<int64_t, 3>& tile, int64_t kv_h
 // the positions its last one sees, and none is computed to be masked (ATen's kernel computes whole
 // 512-position blocks of a short prompt and masks them; its softmax's libm exponentials were most of its
 // time on short prompts).
-// Up to this many positions: past it each block of 16 tokens re-reading every position lost to ATen's
-// kernel (1.2x its time for two 1,088-token prompts, 0.7-0.9x at 64-768; docs/benchmarks.md).
-constexpr int64_t FLASH_AMX_MAX_LEN = 768;
+// Which flash requests the tiles take: at most this many positions, of which at least a tenth new. Its
+// copy and packing of every position's K/V are paid per request, and each block of 16 tokens reads every
+// position it sees, so a short chunk over a long cached prefix, or a prompt past 2,048 tokens, stays with
+// ATen's kernel (one op call against it: 0.8x the time for prompts of 256-1,088 tokens and 128-256-token
+// chunks over 640-1,024 cached ones, 1.0x at 2,048, 1.2-1.3x for 64-token chunks over 1,024-1,984;
+// docs/benchmarks.md).
+constexpr int64_t FLASH_AMX_MAX_LEN = 2048;
+
+inline bool flash_on_tiles(const Step& s, int64_t r) {
+    const int64_t len = s.seq_lens[r];
+    return len <= FLASH_AMX_MAX_LEN && 10 * (s.qsl[r + 1] - s.qsl[r]) >= len;
+}
 
 inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
     const int64_t begin = s.qsl[r], n = s.qsl[r + 1] - begin, len = s.seq_lens[r], from = len - n;
@@ -498,15 +507,14 @@ inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
 }
 
 // The flash requests one after another (the flash kernel spreads each over the threads itself), but
-// those a cascade computed. In bf16 on AMX those of at most FLASH_AMX_MAX_LEN positions go to the tiles
-// (flash_on_amx).
+// those a cascade computed. In bf16 on AMX those flash_on_tiles admits go to the tiles (flash_on_amx).
 template <typename T>
 void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
     auto pending = [&](int64_t r) { return is_flash(s, r) && request[s.qsl[r]] != -2; };
     if constexpr (std::is_same<T, uint16_t>::value) {
         if (dtype == ScalarType::BFloat16 && cascade_on_amx(true, s.head_dim)) {
             for (int64_t r = 0; r < s.requests; ++r) {
-                if (!pending(r) || s.seq_lens[r] > FLASH_AMX_MAX_LEN) continue;
+                if (!pending(r) || !flash_on_tiles(s, r)) continue;
                 flash_on_amx(s, r, static_cast<uint16_t*>(s.out));
                 for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
             }

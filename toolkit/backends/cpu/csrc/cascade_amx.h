@@ -57,6 +57,28 @@ inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+// A 16 x 16 matrix of 32-bit words, row i in r[i], transposed in place.
+inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int k = 0; k < 8; ++k)
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]), t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    for (int k = 0; k < 4; ++k) {
+        u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int k = 0; k < 2; ++k)
+        for (int m = 0; m < 4; ++m) {
+            t[8 * k + m] = _mm512_shuffle_i32x4(u[8 * k + m], u[8 * k + 4 + m], 0x88);
+            t[8 * k + 4 + m] = _mm512_shuffle_i32x4(u[8 * k + m], u[8 * k + 4 + m], 0xdd);
+        }
+    for (int m = 0; m < 8; ++m) {
+        r[m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0x88);
+        r[8 + m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0xdd);
+    }
+}
+
 // Every tile 16 rows of 64 bytes.
 inline void configure_cascade_tiles() {
     TileConfig c;
@@ -109,14 +131,19 @@ inline void shared_amx(const uint16_t* q, int n, const uint16_t* k, const uint16
             for (int i = 0; i < 16; ++i) std::memcpy(&qb[size_t(c) * 256 + i * 16 + j], q + j * d + 32 * c + 2 * i, 4);
     std::vector<float> scores(size_t(len) * 16);
     const int64_t stride = row * int64_t(sizeof(uint16_t));
-    for (int64_t p0 = 0; p0 < len; p0 += 16) {
+    // 32 positions a step, as two independent C tiles (0, 3), so one's products wait less on the other's.
+    for (int64_t p0 = 0; p0 < len; p0 += 32) {
         _tile_zero(0);
+        _tile_zero(3);
         for (int c = 0; c < chunks; ++c) {
-            _tile_loadd(1, k + p0 * row + 32 * c, stride);
             _tile_loadd(2, &qb[size_t(c) * 256], 64);
+            _tile_loadd(1, k + p0 * row + 32 * c, stride);
             _tile_dpbf16ps(0, 1, 2);
+            _tile_loadd(4, k + (p0 + 16) * row + 32 * c, stride);
+            _tile_dpbf16ps(3, 4, 2);
         }
         _tile_stored(0, &scores[size_t(p0) * 16], 64);
+        _tile_stored(3, &scores[size_t(p0 + 16) * 16], 64);
     }
     __m512 top = _mm512_set1_ps(-FLT_MAX);
     for (int64_t p = 0; p < len; ++p)
@@ -135,15 +162,23 @@ inline void shared_amx(const uint16_t* q, int n, const uint16_t* k, const uint16
         total = _mm512_add_ps(total, x);
     }
     _mm512_storeu_ps(sum, total);
-    // A of pass 2: query j's row of P over all positions, bf16, read down a column of the buffer.
-    std::vector<uint16_t> pa(size_t(16) * len, 0);
-    const __m512i columns = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32(16));
-    for (int j = 0; j < n; ++j)
-        for (int64_t p0 = 0; p0 < len; p0 += 16) {
-            const __m256bh h = _mm512_cvtneps_pbh(_mm512_i32gather_ps(columns, &scores[size_t(p0) * 16 + j], 4));
-            std::memcpy(&pa[size_t(j) * len + p0], &h, 32);
+    // A of pass 2: query j's row of P over all positions, bf16. Per 32 positions, two rows of the buffer
+    // (positions 2i and 2i + 1, 16 queries each) become one vector of 16 words, query j's pair of P in
+    // word j; the 16 x 16 words transposed are the 16 queries' rows (the rows past n are never read).
+    std::vector<uint16_t> pa(size_t(16) * len);
+    int16_t pairs[32];
+    for (int j = 0; j < 16; ++j) pairs[2 * j] = int16_t(j), pairs[2 * j + 1] = int16_t(16 + j);
+    const __m512i interleave = _mm512_loadu_si512(pairs);
+    for (int64_t p0 = 0; p0 < len; p0 += 32) {
+        __m512i w[16];
+        for (int i = 0; i < 16; ++i) {
+            const float* two = &scores[size_t(p0 + 2 * i) * 16];
+            const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(two + 16), _mm512_loadu_ps(two));
+            w[i] = _mm512_permutexvar_epi16(interleave, (__m512i)h);
         }
+        transpose16(w);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(&pa[size_t(j) * len + p0], w[j]);
+    }
     // B of pass 2: for 32 positions, 16 rows (pairs of positions) x 16 dims, one tile per 16 dims.
     std::vector<uint16_t> own(packed ? 0 : 2048);
     for (int g = 0; g < d; g += 64) {  // 64 dims of the outputs in C tiles 0-3

@@ -23,7 +23,7 @@
 // With flash_min > 0, a request with at least flash_min new tokens goes instead to ATen's CPU flash
 // attention on its gathered K/V (flash_prefill.h): GEMM-shaped, faster than the tiles on some CPUs and
 // slower on others, so the engine measures where it starts to pay (toolkit/backends/cpu/attention_plan.py).
-// In bf16 on AMX such a request goes to the tile unit instead (flash_on_amx, cascade_amx.h), causal.
+// In bf16 on AMX most such requests go to the tile unit instead (flash_on_tiles, flash_on_amx), causal.
 // Likewise requests that begin with the same blocks (a shared prompt prefix), decodes and such chunks,
 // with flash_min or more new tokens between them, attend to those blocks together, as one chunk of that
 // many rows (cascade attention, run_cascade below).
@@ -443,18 +443,10 @@ void attend_tile(const Step& s, const std::array<int64_t, 3>& tile, int64_t kv_h
                 put(out + ((t0 + t) * s.num_heads + kv_head * group + h) * d + i, o32[(t * group + h) * d + i]);
 }
 
-// A flash request on AMX's tiles (cascade_amx.h), bf16: its K/V rows [0, len) copied out of the blocks
-// (and zero past len, up to a multiple of 32), V packed once per kv head, then a task per query head and
-// 16 consecutive tokens: each token sees the positions up to its own, so a block of tokens reads only
-// the positions its last one sees, and none is computed to be masked (ATen's kernel computes whole
-// 512-position blocks of a short prompt and masks them; its softmax's libm exponentials were most of its
-// time on short prompts).
-// Which flash requests the tiles take: at most this many positions, of which at least a tenth new. Its
-// copy and packing of every position's K/V are paid per request, and each block of 16 tokens reads every
-// position it sees, so a short chunk over a long cached prefix, or a prompt past 2,048 tokens, stays with
-// ATen's kernel (one op call against it: 0.8x the time for prompts of 256-1,088 tokens and 128-256-token
-// chunks over 640-1,024 cached ones, 1.0x at 2,048, 1.2-1.3x for 64-token chunks over 1,024-1,984;
-// docs/benchmarks.md).
+// Which flash requests the tiles take: at most FLASH_AMX_MAX_LEN positions, of which at least a tenth
+// new. The copy and packing of every position's K/V are paid per request, and each block of 16 tokens
+// reads every position it sees, so a short chunk over a long cached prefix, or a long prompt, stays with
+// ATen's kernel (the measurements are in docs/benchmarks.md).
 constexpr int64_t FLASH_AMX_MAX_LEN = 2048;
 
 inline bool flash_on_tiles(const Step& s, int64_t r) {
@@ -462,6 +454,11 @@ inline bool flash_on_tiles(const Step& s, int64_t r) {
     return len <= FLASH_AMX_MAX_LEN && 10 * (s.qsl[r + 1] - s.qsl[r]) >= len;
 }
 
+// A flash request on AMX's tiles (cascade_amx.h), bf16: its K/V rows [0, len) copied out of the blocks
+// (and zero past len, up to a multiple of 32), V packed once per kv head, then a task per query head and
+// 16 consecutive tokens: each token sees the positions up to its own, so a block of tokens reads only
+// the positions its last one sees, and none is computed to be masked (ATen's kernel computes whole
+// 512-position blocks of a short prompt and masks them, and its libm exponentials dominate there).
 inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
     const int64_t begin = s.qsl[r], n = s.qsl[r + 1] - begin, len = s.seq_lens[r], from = len - n;
     const int64_t d = s.head_dim, row = s.num_kv_heads * d, group = s.num_heads / s.num_kv_heads;
@@ -512,7 +509,7 @@ template <typename T>
 void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
     auto pending = [&](int64_t r) { return is_flash(s, r) && request[s.qsl[r]] != -2; };
     if constexpr (std::is_same<T, uint16_t>::value) {
-        if (dtype == ScalarType::BFloat16 && cascade_on_amx(true, s.head_dim)) {
+        if (cascade_on_amx(true, s.head_dim)) {  // uint16_t elements are bf16
             for (int64_t r = 0; r < s.requests; ++r) {
                 if (!pending(r) || !flash_on_tiles(s, r)) continue;
                 flash_on_amx(s, r, static_cast<uint16_t*>(s.out));

@@ -87,10 +87,10 @@ def test_chunks_through_aten_flash_attention_match_dense(dtype, tol, num_heads, 
     """Requests of flash_min+ new tokens go to ATen's flash attention on their gathered K/V: first chunks
     (one causal call) and chunks over a cached prefix (two calls merged by log-sum-exp), beside requests
     the tiles and per-token tasks keep, decodes, a request with no new token and padding rows. In bf16
-    on AMX they go to the tiles instead (flash_on_amx: 16 tokens of one head a task, each seeing the
-    positions up to its own; 50 new tokens over 100 cached ones end mid-task and mid-32-position step),
-    but for requests of more than 2,048 positions or fewer than a tenth of them new, which stay with
-    ATen's kernel."""
+    on AMX they go to the tiles instead (flash_on_amx, csrc/attention_amx.h: 32 tokens of one head a
+    task, each seeing the positions up to its own; 50 new tokens over 100 cached ones end in a task of
+    18, its second query tile of 2 rows, mid-32-position step; 12 new tokens fill part of one tile; 240
+    over 2,040 cached run past 2,048 positions)."""
     specs = [(100, 50), (0, 37), (33, 24), (5, 12), (0, 1), (70, 2), (16, 48), (9, 0), (0, 2), (400, 40),
              (2040, 240)]
     batch = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -166,8 +166,9 @@ def test_decodes_sharing_a_prefix_in_a_cascade_match_dense(dtype, tol, num_heads
 @pytest.mark.parametrize("flash_min", [2, 16])
 def test_chunks_and_decodes_sharing_a_prefix_in_a_cascade_match_dense(dtype, tol, num_heads, num_kv_heads, flash_min):
     """Prefill chunks over a shared cached prefix join the cascade too (many prompts after one system
-    prompt): all the group's queries attend to the shared blocks in one flash call, each chunk to its
-    own positions with flash_span, each decode with the tiles. Group A shares 3 blocks: chunks whose own
+    prompt): all the group's queries attend to the shared blocks in one flash call (in bf16 on AMX, the
+    tiles: group A's 48 shared positions rounded down to 32, its over 64 vectors a kv head packed once for
+    all tasks), each chunk to its own positions with flash_span, each decode with the tiles. Group A shares 3 blocks: chunks whose own
     part starts on a block boundary and mid-block (12 cached positions of their own first), decodes, and a
     5-token chunk that is a member only when flash_min is 2. Group B is two chunks sharing 2 blocks, one of
     them leaving the lead's blocks after 2 of its 3 cached ones. Beside them a first chunk, a lone decode
@@ -193,9 +194,10 @@ def test_chunks_and_decodes_sharing_a_prefix_in_a_cascade_match_dense(dtype, tol
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(12, 4), (4, 4)])
 def test_a_cascade_of_decodes_on_the_tiles_matches_dense(head_dim, num_heads, num_kv_heads):
     """bf16 decodes over a shared prefix: where the CPU has AMX, the shared part goes to the tile unit
-    (csrc/cascade_amx.h) in steps of 32 positions (64 dims of the outputs at a time, 16 query vectors a
-    task): 18 decodes sharing 5 blocks (80 positions: 64 through the tiles, 16 with each one's own), so
-    a kv head's vectors fill one task and part of the next; elsewhere ATen's kernel serves it."""
+    (csrc/attention_amx.h) in steps of 32 positions (64 dims of the outputs at a time, 32 query vectors a
+    call): 18 decodes sharing 5 blocks (80 positions: 64 through the tiles, 16 with each one's own), so
+    a kv head's vectors fill one call and part of the next (12 query heads over 4 kv heads: 54 vectors,
+    packed by the task itself; 4 over 4: 18); elsewhere ATen's kernel serves it."""
     specs = [(90 + 3 * i, 1) for i in range(18)] + [(40, 1), (0, 5)]
     batch = make_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        dtype=torch.bfloat16, num_pad=1, seed=head_dim)

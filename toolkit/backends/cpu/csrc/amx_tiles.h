@@ -1,4 +1,4 @@
-// What every AMX user here shares (panel_kernel.h's linears, cascade_amx.h's attention): the tile
+// What every AMX user here shares (panel_kernel.h's linears, attention_amx.h's attention): the tile
 // configuration's memory layout and the process's permission to use the tile registers.
 
 #pragma once

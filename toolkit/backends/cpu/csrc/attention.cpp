@@ -23,7 +23,7 @@
 // With flash_min > 0, a request with at least flash_min new tokens goes instead to ATen's CPU flash
 // attention on its gathered K/V (flash_prefill.h): GEMM-shaped, faster than the tiles on some CPUs and
 // slower on others, so the engine measures where it starts to pay (toolkit/backends/cpu/attention_plan.py).
-// In bf16 on AMX most such requests go to the tile unit instead (flash_on_tiles, flash_on_amx), causal.
+// In bf16 on AMX they go to the tile unit instead (flash_on_amx, attention_amx.h), causal.
 // Likewise requests that begin with the same blocks (a shared prompt prefix), decodes and such chunks,
 // with flash_min or more new tokens between them, attend to those blocks together, as one chunk of that
 // many rows (cascade attention, run_cascade below).
@@ -43,7 +43,7 @@
 #include <immintrin.h>
 #endif
 
-#include "cascade_amx.h"
+#include "attention_amx.h"
 #include "flash_prefill.h"
 #include "stable_args.h"
 
@@ -443,28 +443,29 @@ void attend_tile(const Step& s, const std::array<int64_t, 3>& tile, int64_t kv_h
                 put(out + ((t0 + t) * s.num_heads + kv_head * group + h) * d + i, o32[(t * group + h) * d + i]);
 }
 
-// Which flash requests the tiles take: at most FLASH_AMX_MAX_LEN positions, of which at least a tenth
-// new. The copy and packing of every position's K/V are paid per request, and each block of 16 tokens
-// reads every position it sees, so a short chunk over a long cached prefix, or a long prompt, stays with
-// ATen's kernel (the measurements are in docs/benchmarks.md).
-constexpr int64_t FLASH_AMX_MAX_LEN = 2048;
-
-inline bool flash_on_tiles(const Step& s, int64_t r) {
-    const int64_t len = s.seq_lens[r];
-    return len <= FLASH_AMX_MAX_LEN && 10 * (s.qsl[r + 1] - s.qsl[r]) >= len;
+// A kv head's K and V, positions [0, len) (rows `row` elements apart from k and v), packed for the
+// tiles (attention_amx.h) into kb and vb (len * d elements each, len a multiple of AMX_ALIGN), every kv
+// head at once across the threads.
+inline void pack_heads(const uint16_t* k, const uint16_t* v, int64_t row, int64_t kv_heads, int64_t d, int64_t len,
+                       uint32_t* kb, uint16_t* vb) {
+    const int64_t steps = len / AMX_ALIGN;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < kv_heads * steps; ++task) {
+        const int64_t h = task / steps, p0 = task % steps * AMX_ALIGN;
+        pack_head(k + h * d, v + h * d, row, p0, int(d), len, kb + h * len * d / 2, vb + h * len * d);
+    }
 }
 
-// A flash request on AMX's tiles (cascade_amx.h), bf16: its K/V rows [0, len) copied out of the blocks
-// (and zero past len, up to a multiple of 32), V packed once per kv head, then a task per query head and
-// 16 consecutive tokens: each token sees the positions up to its own, so a block of tokens reads only
-// the positions its last one sees, and none is computed to be masked (ATen's kernel computes whole
-// 512-position blocks of a short prompt and masks them, and its libm exponentials dominate there).
+// A flash request on AMX's tiles (attention_amx.h), bf16: its K/V rows [0, len) copied out of the blocks
+// (and zero past len, up to a multiple of AMX_ALIGN) and packed once per kv head, then a task per query
+// head and 32 consecutive tokens: a block of tokens reads only the positions its last one sees (ATen's
+// kernel computes whole 512-position blocks of a short prompt and masks them).
 inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
     const int64_t begin = s.qsl[r], n = s.qsl[r + 1] - begin, len = s.seq_lens[r], from = len - n;
     const int64_t d = s.head_dim, row = s.num_kv_heads * d, group = s.num_heads / s.num_kv_heads;
-    const int64_t padded = (len + CASCADE_ALIGN - 1) / CASCADE_ALIGN * CASCADE_ALIGN, blocks = (n + 15) / 16;
-    std::unique_ptr<uint16_t[]> rows(new uint16_t[2 * padded * row]),
-        packed(new uint16_t[size_t(s.num_kv_heads) * padded * d]);
+    const int64_t padded = amx_padded(len), blocks = (n + AMX_QUERIES - 1) / AMX_QUERIES;
+    std::unique_ptr<uint16_t[]> rows(new uint16_t[2 * padded * row]), vb(new uint16_t[s.num_kv_heads * padded * d]);
+    std::unique_ptr<uint32_t[]> kb(new uint32_t[s.num_kv_heads * padded * d / 2]);
     uint16_t *k = rows.get(), *v = k + padded * row;
     const int32_t* table = s.tables + r * s.table_width;
     gather_rows(static_cast<const uint16_t*>(s.k), table, 0, len, s.block_size, row, k);
@@ -472,30 +473,24 @@ inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
     // A hidden position's P is 0, but 0 times a NaN is not: the rows past len must hold numbers.
     std::memset(k + len * row, 0, (padded - len) * row * sizeof(uint16_t));
     std::memset(v + len * row, 0, (padded - len) * row * sizeof(uint16_t));
-    const int64_t groups = d / 64, steps = padded / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t task = 0; task < s.num_kv_heads * groups * steps; ++task) {
-        const int64_t h = task / (groups * steps), g = task / steps % groups, p0 = task % steps * 32;
-        uint16_t* to = packed.get() + size_t(h) * padded * d + packed_offset(padded, p0, int(g * 64));
-        pack_values(v + h * d, row, p0, int(g * 64), to);
-    }
+    pack_heads(k, v, row, s.num_kv_heads, d, padded, kb.get(), vb.get());
     const uint16_t* q = static_cast<const uint16_t*>(s.q);
 #pragma omp parallel
     {
-        configure_cascade_tiles();
-        std::vector<uint16_t> qt(16 * d, 0);
-        std::vector<float> o(16 * d), lse(16);
+        configure_attention_tiles();
+        std::unique_ptr<float[]> scratch(new float[AMX_QUERIES * amx_scratch_row(padded)]), o(new float[AMX_QUERIES * d]);
+        std::unique_ptr<uint16_t[]> qt(new uint16_t[AMX_QUERIES * d]);
+        float lse[AMX_QUERIES];
         // The longest blocks (the last tokens') first, so the short ones fill in at the end.
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < s.num_heads * blocks; ++task) {
-            const int64_t head = task % s.num_heads, first = (blocks - 1 - task / s.num_heads) * 16;
-            const int64_t m = std::min<int64_t>(16, n - first), h = head / group, seen = from + first + m;
+            const int64_t head = task % s.num_heads, first = (blocks - 1 - task / s.num_heads) * AMX_QUERIES;
+            const int64_t m = std::min<int64_t>(AMX_QUERIES, n - first), h = head / group;
             for (int64_t j = 0; j < m; ++j)
                 std::memcpy(&qt[j * d], q + (begin + first + j) * s.q_token_stride + head * s.q_head_stride,
                             d * sizeof(uint16_t));
-            shared_amx(qt.data(), int(m), k + h * d, v + h * d, row,
-                       (seen + CASCADE_ALIGN - 1) / CASCADE_ALIGN * CASCADE_ALIGN, int(d), s.scale, o.data(),
-                       lse.data(), from + first, packed.get() + size_t(h) * padded * d, padded);
+            attend_amx(qt.get(), int(m), kb.get() + h * padded * d / 2, vb.get() + h * padded * d, padded, len, int(d),
+                       s.scale, from + first, scratch.get(), o.get(), lse);
             for (int64_t j = 0; j < m; ++j)
                 for (int64_t i = 0; i < d; ++i)
                     put(out + ((begin + first + j) * s.num_heads + head) * d + i, o[j * d + i]);
@@ -504,14 +499,14 @@ inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
 }
 
 // The flash requests one after another (the flash kernel spreads each over the threads itself), but
-// those a cascade computed. In bf16 on AMX those flash_on_tiles admits go to the tiles (flash_on_amx).
+// those a cascade computed. In bf16 on AMX they go to the tiles (flash_on_amx).
 template <typename T>
 void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
     auto pending = [&](int64_t r) { return is_flash(s, r) && request[s.qsl[r]] != -2; };
     if constexpr (std::is_same<T, uint16_t>::value) {
-        if (cascade_on_amx(true, s.head_dim)) {  // uint16_t elements are bf16
+        if (attention_on_amx(true, s.head_dim)) {  // uint16_t elements are bf16
             for (int64_t r = 0; r < s.requests; ++r) {
-                if (!pending(r) || !flash_on_tiles(s, r)) continue;
+                if (!pending(r)) continue;
                 flash_on_amx(s, r, static_cast<uint16_t*>(s.out));
                 for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
             }
@@ -537,19 +532,19 @@ void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
 // Cascade attention for requests that share a prefix (many requests over one system prompt or
 // document): where requests that begin with the same whole blocks bring max(flash_min, 2) or more new
 // tokens between them, each of them a decode or a flash request (flash_min+ new tokens), all their
-// queries attend to those blocks together, as one chunk of that many rows to ATen's flash kernel (the
-// shared K/V read once, in place where consecutive), and each request to its own remaining positions
+// queries attend to those blocks together, as one chunk of that many rows to ATen's flash kernel, or in
+// bf16 on AMX to the tiles (the shared K/V read once, in place where consecutive; on the tiles a multiple
+// of AMX_ALIGN positions, the rest going with each member's own), and each request to its own remaining positions
 // alone: a decode with `attend`, a chunk with flash_span. The parts are merged by their log-sum-exps.
 // Without it each request reads the shared blocks on its own, and a chunk's flash calls are small.
 struct Cascade {
     std::vector<int64_t> requests;
     int64_t shared;  // positions [0, shared) common to all, whole blocks, before each one's first new token
-    bool decodes;    // every member a decode: the shared part goes to the tiles (cascade_amx.h) where AMX is
 };
 
 inline int64_t new_tokens(const Step& s, int64_t r) { return s.qsl[r + 1] - s.qsl[r]; }
 
-// `align` (positions): the shared part of a cascade of decodes is a multiple of it (cascade_amx.h's).
+// `align` (positions): the shared part is a multiple of it (the tiles' AMX_ALIGN where they serve it).
 inline std::vector<Cascade> plan_cascades(const Step& s, int64_t align) {
     std::vector<Cascade> cascades;
     const int64_t least = std::max<int64_t>(s.flash_min, 2);
@@ -577,39 +572,58 @@ inline std::vector<Cascade> plan_cascades(const Step& s, int64_t align) {
                 while (b < limit && table[b] == lead[b]) ++b;
                 blocks = b;
             }
-            const bool decodes = rows == int64_t(j - i);
-            while (decodes && blocks > 0 && blocks * s.block_size % align) --blocks;
+            while (blocks > 0 && blocks * s.block_size % align) --blocks;
             if (blocks > 0)
-                cascades.push_back({{members.begin() + i, members.begin() + j}, blocks * s.block_size, decodes});
+                cascades.push_back({{members.begin() + i, members.begin() + j}, blocks * s.block_size});
         }
         i = j;
     }
     return cascades;
 }
 
-// The shared part on AMX (cascade_amx.h): a task per kv head and 16 of its query vectors (the group's
-// rows times the kv head's query heads), into common [m, heads, d] and its log-sum-exps [m, heads].
+// The shared part on AMX (attention_amx.h), into common [m, heads, d] and its log-sum-exps [m, heads].
+// A kv head's query vectors are the group's rows times its query heads. With many (a cascade of
+// chunks), every kv head's K and V are packed first, then a task takes 32 vectors of one kv head; with
+// few (a cascade of decodes), a task takes all of one kv head's and packs its K and V itself, so one
+// head's packing, which reads the shared blocks from memory, overlaps another's products.
 inline void shared_on_amx(const Step& s, const uint16_t* queries, int64_t m, const uint16_t* keys,
                           const uint16_t* values, int64_t shared, float* common, float* lse) {
     const int64_t heads = s.num_heads, d = s.head_dim, group = heads / s.num_kv_heads, row = s.num_kv_heads * d;
-    const int64_t vectors = m * group, tiles = (vectors + 15) / 16;
+    const int64_t vectors = m * group;
+    const bool own_pack = vectors <= 2 * AMX_QUERIES;
+    const int64_t per_task = own_pack ? vectors : AMX_QUERIES, tasks = (vectors + per_task - 1) / per_task;
+    const int64_t packed = own_pack ? 1 : s.num_kv_heads;  // heads packed beside each other, or one per thread
+    std::unique_ptr<uint32_t[]> kb(own_pack ? nullptr : new uint32_t[packed * shared * d / 2]);
+    std::unique_ptr<uint16_t[]> vb(own_pack ? nullptr : new uint16_t[packed * shared * d]);
+    if (!own_pack) pack_heads(keys, values, row, s.num_kv_heads, d, shared, kb.get(), vb.get());
 #pragma omp parallel
     {
-        configure_cascade_tiles();
-        std::vector<uint16_t> qt(16 * d);
-        std::vector<float> o(16 * d), l(16);
+        configure_attention_tiles();
+        std::unique_ptr<float[]> scratch(new float[AMX_QUERIES * amx_scratch_row(shared)]), o(new float[AMX_QUERIES * d]);
+        std::unique_ptr<uint16_t[]> qt(new uint16_t[AMX_QUERIES * d]);
+        std::unique_ptr<uint32_t[]> kt(own_pack ? new uint32_t[shared * d / 2] : nullptr);
+        std::unique_ptr<uint16_t[]> vt(own_pack ? new uint16_t[shared * d] : nullptr);
+        float l[AMX_QUERIES];
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < s.num_kv_heads * tiles; ++task) {
-            const int64_t g = task / tiles, first = (task % tiles) * 16, n = std::min<int64_t>(16, vectors - first);
-            auto head_row = [&](int64_t j) {  // vector first + j: (row among the group's, query head) flattened
-                const int64_t vec = first + j;
-                return (vec / group) * heads + g * group + vec % group;
-            };
-            for (int64_t j = 0; j < n; ++j) std::memcpy(&qt[j * d], queries + head_row(j) * d, d * sizeof(uint16_t));
-            shared_amx(qt.data(), int(n), keys + g * d, values + g * d, row, shared, int(d), s.scale, o.data(), l.data());
-            for (int64_t j = 0; j < n; ++j) {
-                std::memcpy(common + head_row(j) * d, &o[j * d], d * sizeof(float));
-                lse[head_row(j)] = l[j];
+        for (int64_t task = 0; task < s.num_kv_heads * tasks; ++task) {
+            const int64_t g = task / tasks, begin = (task % tasks) * per_task, end = std::min(begin + per_task, vectors);
+            if (own_pack)
+                for (int64_t p0 = 0; p0 < shared; p0 += AMX_ALIGN)
+                    pack_head(keys + g * d, values + g * d, row, p0, int(d), shared, kt.get(), vt.get());
+            const uint32_t* k = own_pack ? kt.get() : kb.get() + g * shared * d / 2;
+            const uint16_t* v = own_pack ? vt.get() : vb.get() + g * shared * d;
+            for (int64_t first = begin; first < end; first += AMX_QUERIES) {
+                const int64_t n = std::min<int64_t>(AMX_QUERIES, end - first);
+                auto head_row = [&](int64_t j) {  // vector first + j: (row among the group's, query head) flattened
+                    const int64_t vec = first + j;
+                    return (vec / group) * heads + g * group + vec % group;
+                };
+                for (int64_t j = 0; j < n; ++j) std::memcpy(&qt[j * d], queries + head_row(j) * d, d * sizeof(uint16_t));
+                attend_amx(qt.get(), int(n), k, v, shared, shared, int(d), s.scale, INT64_MAX / 2, scratch.get(), o.get(), l);
+                for (int64_t j = 0; j < n; ++j) {
+                    std::memcpy(common + head_row(j) * d, &o[j * d], d * sizeof(float));
+                    lse[head_row(j)] = l[j];
+                }
             }
         }
     }
@@ -676,7 +690,7 @@ void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, bool on_amx,
     const T* values = span_rows(static_cast<const T*>(s.v), lead, 0, c.shared, s.block_size, row,
                                 buffer.get() + c.shared * row);
     if constexpr (std::is_same<T, uint16_t>::value) {
-        if (on_amx && c.decodes) {
+        if (on_amx) {
             std::unique_ptr<float[]> common(new float[m * width]), lse(new float[m * heads]);
             shared_on_amx(s, queries.get(), m, keys, values, c.shared, common.get(), lse.get());
             finish_cascade<T>(s, dtype, c, offset, queries.get(), common.get(), d, width, lse.get(), 1, heads);
@@ -698,10 +712,8 @@ void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, bool on_amx,
 // q, the cache and out are all of one element type T.
 template <typename T>
 void run(const Step& s, ScalarType dtype, std::vector<int32_t>& request, const std::vector<int32_t>& length) {
-    // On AMX the shared part of a cascade of decodes goes to the tiles, a multiple of CASCADE_ALIGN
-    // positions (the rest go with each member's own); ATen's kernel stays faster for chunks' many rows.
-    const bool on_amx = cascade_on_amx(std::is_same<T, uint16_t>::value, s.head_dim);
-    for (const Cascade& c : plan_cascades(s, on_amx ? CASCADE_ALIGN : 1)) run_cascade<T>(s, dtype, c, on_amx, request);
+    const bool on_amx = attention_on_amx(std::is_same<T, uint16_t>::value, s.head_dim);
+    for (const Cascade& c : plan_cascades(s, on_amx ? AMX_ALIGN : 1)) run_cascade<T>(s, dtype, c, on_amx, request);
     run_flash<T>(s, dtype, request);
     const auto tiles = plan_tiles(s);
     for (const auto& tile : tiles)  // the per-token tasks below leave the tiled tokens alone

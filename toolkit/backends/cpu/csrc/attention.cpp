@@ -157,14 +157,10 @@ template <typename T>
 inline void prefetch_share(const T* k, const T* v, int share, int shares, int64_t width, int block_size,
                            int64_t row_stride) {
     const int64_t row_lines = (width * int64_t(sizeof(T)) + 63) / 64, lines = block_size * row_lines;
-    const int64_t first = share * lines / shares, count = (share + 1) * lines / shares - first;
-    // Row and line counted along, not divided out per line: a 64-bit division costs more than the line.
-    int64_t row = first / row_lines, line = first % row_lines;
-    for (int64_t i = 0; i < count; ++i) {
-        const int64_t byte = row * row_stride * int64_t(sizeof(T)) + 64 * line;
-        __builtin_prefetch(reinterpret_cast<const char*>(k) + byte, 0, 1);
-        __builtin_prefetch(reinterpret_cast<const char*>(v) + byte, 0, 1);
-        if (++line == row_lines) line = 0, ++row;
+    for (int64_t l = share * lines / shares; l < (share + 1) * lines / shares; ++l) {
+        const int64_t row = (l / row_lines) * row_stride, byte = 64 * (l % row_lines);
+        __builtin_prefetch(reinterpret_cast<const char*>(k + row) + byte, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + row) + byte, 0, 1);
     }
 }
 

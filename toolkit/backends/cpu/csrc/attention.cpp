@@ -152,7 +152,9 @@ inline void scores8_heads_bf16(const uint16_t* q, int64_t q_stride, const uint16
 
 // Share `share` of `shares` of a block's K and V cache lines that a task reads: `width` elements at
 // the start of each of the block's rows. Issued all at a block's start, prefetches gave nothing (the
-// core stalls once its miss buffers are full); spread over the block's work they pay.
+// core stalls once its miss buffers are full); spread over the block's work they pay. The division
+// per line spaces a share's own prefetches too: counted along instead, they went out back to back and
+// the engine lost throughput (docs/benchmarks.md).
 template <typename T>
 inline void prefetch_share(const T* k, const T* v, int share, int shares, int64_t width, int block_size,
                            int64_t row_stride) {

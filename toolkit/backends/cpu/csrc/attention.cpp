@@ -535,9 +535,10 @@ void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
 // document): where requests that begin with the same whole blocks bring max(flash_min, 2) or more new
 // tokens between them, each of them a decode or a flash request (flash_min+ new tokens), all their
 // queries attend to those blocks together, as one chunk of that many rows to ATen's flash kernel, or in
-// bf16 on AMX to the tiles (the shared K/V read once, in place where consecutive; on the tiles a multiple
-// of AMX_ALIGN positions, the rest going with each member's own), and each request to its own remaining positions
-// alone: a decode with `attend`, a chunk with flash_span. The parts are merged by their log-sum-exps.
+// bf16 on AMX to the tiles (the shared K/V read once, in place where consecutive; on the tiles a
+// multiple of AMX_ALIGN positions, the rest going with each member's own), and each request to its own
+// remaining positions alone: a decode with `attend`, a chunk with flash_span. The parts are merged by
+// their log-sum-exps.
 // Without it each request reads the shared blocks on its own, and a chunk's flash calls are small.
 struct Cascade {
     std::vector<int64_t> requests;
@@ -594,9 +595,9 @@ inline void shared_on_amx(const Step& s, const uint16_t* queries, int64_t m, con
     const int64_t vectors = m * group;
     const bool own_pack = vectors <= 2 * AMX_QUERIES;
     const int64_t per_task = own_pack ? vectors : AMX_QUERIES, tasks = (vectors + per_task - 1) / per_task;
-    const int64_t packed = own_pack ? 1 : s.num_kv_heads;  // heads packed beside each other, or one per thread
-    std::unique_ptr<uint32_t[]> kb(own_pack ? nullptr : new uint32_t[packed * shared * d / 2]);
-    std::unique_ptr<uint16_t[]> vb(own_pack ? nullptr : new uint16_t[packed * shared * d]);
+    // Every kv head packed beside the others, or (own_pack) one at a time in each thread's kt and vt.
+    std::unique_ptr<uint32_t[]> kb(own_pack ? nullptr : new uint32_t[s.num_kv_heads * shared * d / 2]);
+    std::unique_ptr<uint16_t[]> vb(own_pack ? nullptr : new uint16_t[s.num_kv_heads * shared * d]);
     if (!own_pack) pack_heads(keys, values, row, s.num_kv_heads, d, shared, kb.get(), vb.get());
 #pragma omp parallel
     {

@@ -23,7 +23,8 @@
 // With flash_min > 0, a request with at least flash_min new tokens goes instead to ATen's CPU flash
 // attention on its gathered K/V (flash_prefill.h): GEMM-shaped, faster than the tiles on some CPUs and
 // slower on others, so the engine measures where it starts to pay (toolkit/backends/cpu/attention_plan.py).
-// In bf16 on AMX they go to the tile unit instead (flash_on_amx, attention_amx.h), causal.
+// In bf16 on AMX they go to the tile unit instead (flash_on_amx, attention_amx.h), causal, up to
+// FLASH_AMX_MAX_LEN positions.
 // Likewise requests that begin with the same blocks (a shared prompt prefix), decodes and such chunks,
 // with flash_min or more new tokens between them, attend to those blocks together, as one chunk of that
 // many rows (cascade attention, run_cascade below).
@@ -500,15 +501,20 @@ inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
     }
 }
 
+// The tiles take flash requests of up to this many positions, the longest measured (docs/benchmarks.md).
+// A longer one keeps ATen's kernel, whose gathered K/V take half the memory of the tiles' copy and
+// packed copy.
+constexpr int64_t FLASH_AMX_MAX_LEN = 8192;
+
 // The flash requests one after another (the flash kernel spreads each over the threads itself), but
-// those a cascade computed. In bf16 on AMX they go to the tiles (flash_on_amx).
+// those a cascade computed. In bf16 on AMX they go to the tiles (flash_on_amx), up to FLASH_AMX_MAX_LEN.
 template <typename T>
 void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
     auto pending = [&](int64_t r) { return is_flash(s, r) && request[s.qsl[r]] != -2; };
     if constexpr (std::is_same<T, uint16_t>::value) {
         if (attention_on_amx(true, s.head_dim)) {  // uint16_t elements are bf16
             for (int64_t r = 0; r < s.requests; ++r) {
-                if (!pending(r)) continue;
+                if (!pending(r) || s.seq_lens[r] > FLASH_AMX_MAX_LEN) continue;
                 flash_on_amx(s, r, static_cast<uint16_t*>(s.out));
                 for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
             }

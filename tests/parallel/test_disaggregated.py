@@ -219,11 +219,13 @@ def composed(case) -> list[dict]:
     """1P+1D layouts with another feature on llama3, in the same launch as LAYOUTS, half of them with
     chunked prefill: speculative decoding on the decode instance (n-gram; a draft model, which computes
     its own prefix there); the CPU tier, the disk tier and swap preemption beside the handoff, under a
-    6-block device cache on the decode instance (5 for swap): the sampled call repeats the greedy
-    call's prompts, so the decode side finds their prefixes in its tier. Under swap the four prompts
-    of up to 13 tokens are computed on the decode side (max_local_prefill_tokens), queued there from
-    the start: together they grow to 7 blocks, so the decode side preempts whatever the handoff's
-    timing (handed-over requests arriving one by one could each finish before the next came). The n-gram layout's prefill
+    6-block device cache on the decode instance (4 for swap; the longest request, 38 + 10 tokens, needs
+    3 alone): the sampled call repeats the greedy call's prompts, so the decode side finds their
+    prefixes in its tier. Under swap the four prompts of up to 13 tokens are computed on the decode side
+    (max_local_prefill_tokens), queued there from the start: they fill the 4 blocks at once and
+    together grow to 7, so the decode side preempts whatever the handoff's timing (handed-over requests
+    arriving one by one could each finish before the next came; with 5 blocks a CI run under load
+    once saw no preemption). The n-gram layout's prefill
     instance (tp=2) holds one handed-over request at a time (prefill_backlog=1): the rest wait at its
     door; it also serves some requests whole (decode_token_cost), speculating for them itself, and
     their outputs are gathered from it. A MoE
@@ -246,7 +248,7 @@ def composed(case) -> list[dict]:
             {**small, "kv_offloading_size": TIER_GIB},
             {**small, **UNCHUNKED, "scheduling_policy": "priority", "priorities": "reversed"},
             {**small, **UNCHUNKED, "kv_disk_cache_dir": str(case.root / "disk"), "kv_disk_cache_size": 0.01},
-            {**small, "kv_cache_memory_bytes": 5 * BLOCK, "kv_offloading_size": TIER_GIB, "preemption_mode": "swap",
+            {**small, "kv_cache_memory_bytes": 4 * BLOCK, "kv_offloading_size": TIER_GIB, "preemption_mode": "swap",
              "max_local_prefill_tokens": 13}]
 
 

@@ -168,8 +168,8 @@ inline float softmax_row(float* s, int64_t span, int64_t limit, float scale, flo
 // n (<= 32) query vectors q ([n, d], contiguous bf16) of one kv head against its packed K (kb) and V (vb)
 // of `len` positions (a multiple of AMX_ALIGN). Query j sees the positions before limit_j = min(seen,
 // causal_from + j + 1) (causal_from INT64_MAX / 2: all `seen`; seen <= len). s: scratch of
-// AMX_QUERIES * amx_scratch_row(len) floats. out: [n, d] float, normalized; lse: [n]. The tiles must be configured on this thread
-// (configure_attention_tiles).
+// AMX_QUERIES * amx_scratch_row(len) floats. out: [n, d] float, normalized; lse: [n]. The tiles must be
+// configured on this thread (configure_attention_tiles).
 inline void attend_amx(const uint16_t* q, int n, const uint32_t* kb, const uint16_t* vb, int64_t len, int64_t seen,
                        int d, float scale, int64_t causal_from, float* s, float* out, float* lse) {
     const int chunks = d / 32;

@@ -207,6 +207,26 @@ def test_a_cascade_of_decodes_on_the_tiles_matches_dense(head_dim, num_heads, nu
     assert not out[batch.num_tokens:].any()
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 32, 48])
+def test_the_tiles_pack_from_blocks_of_any_size(block_size):
+    """bf16 on AMX: the tiles pack K/V straight from the cache's blocks where 16 positions from a multiple
+    of 16 lie in one block (blocks of 16, 32, 48), a flash request's last partial 32 positions copied out
+    with zero rows after them; with blocks of 8 every row is copied out first. Flash requests ending
+    mid-block and mid-32 (45 and 103 positions; 32 exactly), and a cascade of decodes over 4 shared blocks
+    (a multiple of 32 positions at every size here), scattered blocks and then consecutive ones.
+    Elsewhere ATen's kernel serves them, against the same reference."""
+    specs = [(0, 45), (70, 33), (0, 32)] + [(4 * block_size + 5 + 3 * i, 1) for i in range(6)]
+    cascade = list(range(3, 9))
+    batch = make_batch(specs, block_size=block_size, num_heads=12, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16,
+                       num_pad=1, seed=block_size)
+    share_leading_blocks(batch, cascade, 4)
+    out = attend(batch, flash_min=16)
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=2e-2, rtol=2e-2)
+    assert not out[batch.num_tokens:].any()
+    share_leading_blocks(in_consecutive_blocks(batch), cascade, 4)
+    torch.testing.assert_close(attend(batch, flash_min=16).double(), dense_reference(batch), atol=2e-2, rtol=2e-2)
+
+
 def test_strided_q_as_the_model_slices_it():
     batch = make_batch([(7, 3), (30, 1)], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
     fused = torch.cat([batch.q, torch.randn_like(batch.q)], dim=1)

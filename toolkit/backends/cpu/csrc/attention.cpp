@@ -446,37 +446,81 @@ void attend_tile(const Step& s, const std::array<int64_t, 3>& tile, int64_t kv_h
                 put(out + ((t0 + t) * s.num_heads + kv_head * group + h) * d + i, o32[(t * group + h) * d + i]);
 }
 
-// A kv head's K and V, positions [0, len) (rows `row` elements apart from k and v), packed for the
-// tiles (attention_amx.h) into kb and vb (len * d elements each, len a multiple of AMX_ALIGN), every kv
-// head at once across the threads.
-inline void pack_heads(const uint16_t* k, const uint16_t* v, int64_t row, int64_t kv_heads, int64_t d, int64_t len,
-                       uint32_t* kb, uint16_t* vb) {
+// Where the tiles pack a request's K and V from (attention_amx.h's pack_head): the cache's blocks in
+// place, except positions from `staged_from` on, which are rows of staged_k / staged_v (from their first
+// row): a flash request's last, partial 32 positions with zero rows after, or every position where the
+// block size is not a multiple of 16 (pack_head reads 16 positions of one block at a time).
+struct PackSource {
+    const uint16_t *k, *v;  // the cache's K and V
+    const int32_t* table;   // the request's blocks
+    int64_t block_size, row;
+    int64_t staged_from;
+    const uint16_t *staged_k, *staged_v;
+
+    int64_t in_cache(int64_t p) const { return (table[p / block_size] * block_size + p % block_size) * row; }
+
+    // Positions [p0, p0 + 32) of kv head h into that head's packed K (kb) and V (vb) of len positions.
+    void pack(int64_t h, int d, int64_t p0, int64_t len, uint32_t* kb, uint16_t* vb) const {
+        const uint16_t *ks[2], *vs[2];
+        for (int i = 0; i < 2; ++i) {
+            const int64_t p = p0 + 16 * i;
+            const bool staged = p >= staged_from;
+            const int64_t at = staged ? (p - staged_from) * row : in_cache(p);
+            ks[i] = (staged ? staged_k : k) + at + h * d;
+            vs[i] = (staged ? staged_v : v) + at + h * d;
+        }
+        pack_head(ks, vs, row, p0, d, len, kb, vb);
+    }
+};
+
+// Positions [0, len) of the request whose blocks are `table`, up to `padded` (a multiple of AMX_ALIGN)
+// with zero rows: a hidden position's P is 0, but 0 times a NaN is not, so the rows past len must hold
+// numbers. `staged` keeps the rows copied out.
+inline PackSource pack_source(const Step& s, const int32_t* table, int64_t len, int64_t padded,
+                              std::unique_ptr<uint16_t[]>& staged) {
+    const uint16_t* k = static_cast<const uint16_t*>(s.k);
+    const uint16_t* v = static_cast<const uint16_t*>(s.v);
+    const int64_t row = s.num_kv_heads * s.head_dim;
+    const int64_t from = s.block_size % 16 ? 0 : len / AMX_ALIGN * AMX_ALIGN, rows = padded - from;
+    staged.reset(rows ? new uint16_t[2 * rows * row] : nullptr);
+    const PackSource source{k, v, table, s.block_size, row, from, staged.get(), staged.get() + rows * row};
+    for (int64_t p = from; p < padded; ++p) {
+        uint16_t* to_k = staged.get() + (p - from) * row;
+        uint16_t* to_v = to_k + rows * row;
+        if (p < len) {
+            std::memcpy(to_k, k + source.in_cache(p), row * sizeof(uint16_t));
+            std::memcpy(to_v, v + source.in_cache(p), row * sizeof(uint16_t));
+        } else {
+            std::memset(to_k, 0, row * sizeof(uint16_t));
+            std::memset(to_v, 0, row * sizeof(uint16_t));
+        }
+    }
+    return source;
+}
+
+// Every kv head's K and V, positions [0, len) (a multiple of AMX_ALIGN), packed for the tiles into kb and
+// vb (len * d elements each per kv head), across the threads.
+inline void pack_heads(const PackSource& source, int64_t kv_heads, int64_t d, int64_t len, uint32_t* kb, uint16_t* vb) {
     const int64_t steps = len / AMX_ALIGN;
 #pragma omp parallel for schedule(static)
     for (int64_t task = 0; task < kv_heads * steps; ++task) {
         const int64_t h = task / steps, p0 = task % steps * AMX_ALIGN;
-        pack_head(k + h * d, v + h * d, row, p0, int(d), len, kb + h * len * d / 2, vb + h * len * d);
+        source.pack(h, int(d), p0, len, kb + h * len * d / 2, vb + h * len * d);
     }
 }
 
-// A flash request on AMX's tiles (attention_amx.h), bf16: its K/V rows [0, len) copied out of the blocks
-// (and zero past len, up to a multiple of AMX_ALIGN) and packed once per kv head, then a task per query
+// A flash request on AMX's tiles (attention_amx.h), bf16: its K/V rows [0, len) packed once per kv head
+// straight from the blocks (zero rows past len, up to a multiple of AMX_ALIGN), then a task per query
 // head and 32 consecutive tokens: a block of tokens reads only the positions its last one sees (ATen's
 // kernel computes whole 512-position blocks of a short prompt and masks them).
 inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
     const int64_t begin = s.qsl[r], n = s.qsl[r + 1] - begin, len = s.seq_lens[r], from = len - n;
-    const int64_t d = s.head_dim, row = s.num_kv_heads * d, group = s.num_heads / s.num_kv_heads;
+    const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads;
     const int64_t padded = amx_padded(len), blocks = (n + AMX_QUERIES - 1) / AMX_QUERIES;
-    std::unique_ptr<uint16_t[]> rows(new uint16_t[2 * padded * row]), vb(new uint16_t[s.num_kv_heads * padded * d]);
+    std::unique_ptr<uint16_t[]> staged, vb(new uint16_t[s.num_kv_heads * padded * d]);
     std::unique_ptr<uint32_t[]> kb(new uint32_t[s.num_kv_heads * padded * d / 2]);
-    uint16_t *k = rows.get(), *v = k + padded * row;
-    const int32_t* table = s.tables + r * s.table_width;
-    gather_rows(static_cast<const uint16_t*>(s.k), table, 0, len, s.block_size, row, k);
-    gather_rows(static_cast<const uint16_t*>(s.v), table, 0, len, s.block_size, row, v);
-    // A hidden position's P is 0, but 0 times a NaN is not: the rows past len must hold numbers.
-    std::memset(k + len * row, 0, (padded - len) * row * sizeof(uint16_t));
-    std::memset(v + len * row, 0, (padded - len) * row * sizeof(uint16_t));
-    pack_heads(k, v, row, s.num_kv_heads, d, padded, kb.get(), vb.get());
+    pack_heads(pack_source(s, s.tables + r * s.table_width, len, padded, staged), s.num_kv_heads, d, padded, kb.get(),
+               vb.get());
     const uint16_t* q = static_cast<const uint16_t*>(s.q);
 #pragma omp parallel
     {
@@ -501,9 +545,8 @@ inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
     }
 }
 
-// The tiles take flash requests of up to this many positions, the longest measured (docs/benchmarks.md).
-// A longer one keeps ATen's kernel, whose gathered K/V take half the memory of the tiles' copy and
-// packed copy.
+// The tiles take flash requests of up to this many positions, the longest measured against ATen's kernel
+// (docs/benchmarks.md), which keeps the longer ones.
 constexpr int64_t FLASH_AMX_MAX_LEN = 8192;
 
 // The flash requests one after another (the flash kernel spreads each over the threads itself), but
@@ -595,16 +638,16 @@ inline std::vector<Cascade> plan_cascades(const Step& s, int64_t align) {
 // chunks), every kv head's K and V are packed first, then a task takes 32 vectors of one kv head; with
 // few (a cascade of decodes), a task takes all of one kv head's and packs its K and V itself, so one
 // head's packing, which reads the shared blocks from memory, overlaps another's products.
-inline void shared_on_amx(const Step& s, const uint16_t* queries, int64_t m, const uint16_t* keys,
-                          const uint16_t* values, int64_t shared, float* common, float* lse) {
-    const int64_t heads = s.num_heads, d = s.head_dim, group = heads / s.num_kv_heads, row = s.num_kv_heads * d;
+inline void shared_on_amx(const Step& s, const uint16_t* queries, int64_t m, const PackSource& source, int64_t shared,
+                          float* common, float* lse) {
+    const int64_t heads = s.num_heads, d = s.head_dim, group = heads / s.num_kv_heads;
     const int64_t vectors = m * group;
     const bool own_pack = vectors <= 2 * AMX_QUERIES;
     const int64_t per_task = own_pack ? vectors : AMX_QUERIES, tasks = (vectors + per_task - 1) / per_task;
     // Every kv head packed beside the others, or (own_pack) one at a time in each thread's kt and vt.
     std::unique_ptr<uint32_t[]> kb(own_pack ? nullptr : new uint32_t[s.num_kv_heads * shared * d / 2]);
     std::unique_ptr<uint16_t[]> vb(own_pack ? nullptr : new uint16_t[s.num_kv_heads * shared * d]);
-    if (!own_pack) pack_heads(keys, values, row, s.num_kv_heads, d, shared, kb.get(), vb.get());
+    if (!own_pack) pack_heads(source, s.num_kv_heads, d, shared, kb.get(), vb.get());
 #pragma omp parallel
     {
         configure_attention_tiles();
@@ -618,7 +661,7 @@ inline void shared_on_amx(const Step& s, const uint16_t* queries, int64_t m, con
             const int64_t g = task / tasks, begin = (task % tasks) * per_task, end = std::min(begin + per_task, vectors);
             if (own_pack)
                 for (int64_t p0 = 0; p0 < shared; p0 += AMX_ALIGN)
-                    pack_head(keys + g * d, values + g * d, row, p0, int(d), shared, kt.get(), vt.get());
+                    source.pack(g, int(d), p0, shared, kt.get(), vt.get());
             const uint32_t* k = own_pack ? kt.get() : kb.get() + g * shared * d / 2;
             const uint16_t* v = own_pack ? vt.get() : vb.get() + g * shared * d;
             for (int64_t first = begin; first < end; first += AMX_QUERIES) {
@@ -688,26 +731,29 @@ void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, bool on_amx,
     for (int64_t i = 0; i < members; ++i) offset[i + 1] = offset[i] + new_tokens(s, c.requests[i]);
     const int64_t m = offset[members];
     const T* q = static_cast<const T*>(s.q);
-    std::unique_ptr<T[]> queries(new T[m * width]), buffer(new T[2 * c.shared * row]);
+    std::unique_ptr<T[]> queries(new T[m * width]);
     for (int64_t i = 0; i < members; ++i)
         for (int64_t t = 0; t < offset[i + 1] - offset[i]; ++t)
             for (int64_t h = 0; h < heads; ++h)
                 std::memcpy(queries.get() + ((offset[i] + t) * heads + h) * d,
                             q + (s.qsl[c.requests[i]] + t) * s.q_token_stride + h * s.q_head_stride, d * sizeof(T));
     const int32_t* lead = s.tables + c.requests[0] * s.table_width;
-    const T* keys = span_rows(static_cast<const T*>(s.k), lead, 0, c.shared, s.block_size, row, buffer.get());
-    const T* values = span_rows(static_cast<const T*>(s.v), lead, 0, c.shared, s.block_size, row,
-                                buffer.get() + c.shared * row);
     if constexpr (std::is_same<T, uint16_t>::value) {
         if (on_amx) {
             std::unique_ptr<float[]> common(new float[m * width]), lse(new float[m * heads]);
-            shared_on_amx(s, queries.get(), m, keys, values, c.shared, common.get(), lse.get());
+            std::unique_ptr<uint16_t[]> staged;
+            shared_on_amx(s, queries.get(), m, pack_source(s, lead, c.shared, c.shared, staged), c.shared, common.get(),
+                          lse.get());
             finish_cascade<T>(s, dtype, c, offset, queries.get(), common.get(), d, width, lse.get(), 1, heads);
             for (int64_t r : c.requests)
                 for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
             return;
         }
     }
+    std::unique_ptr<T[]> buffer(new T[2 * c.shared * row]);
+    const T* keys = span_rows(static_cast<const T*>(s.k), lead, 0, c.shared, s.block_size, row, buffer.get());
+    const T* values = span_rows(static_cast<const T*>(s.v), lead, 0, c.shared, s.block_size, row,
+                                buffer.get() + c.shared * row);
     auto kv = [&](const T* rows) { return heads_view(const_cast<T*>(rows), dtype, s.num_kv_heads, c.shared, d, row, d); };
     const FlashResult common = flash_attention(heads_view(queries.get(), dtype, heads, m, d, width, d), kv(keys),
                                                kv(values), false, s.scale);

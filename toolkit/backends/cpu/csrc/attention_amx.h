@@ -89,13 +89,14 @@ inline void configure_attention_tiles() {
     _tile_loadconfig(&c);
 }
 
-// K's rows [p0, p0 + 16) (position p's row at p * row elements), as pass 1's B tiles, one per 32 dims:
-// row i of a tile is dims 2i and 2i + 1 of each of the 16 positions (a 32-bit word each), that is the
-// 16 rows' words transposed. Tile (p0 / 16, c) lies at ((p0 / 16) * d / 32 + c) * 256 words.
+// K's rows of positions [p0, p0 + 16) (k: p0's row, the others `row` elements apart), as pass 1's B
+// tiles, one per 32 dims: row i of a tile is dims 2i and 2i + 1 of each of the 16 positions (a 32-bit
+// word each), that is the 16 rows' words transposed. Tile (p0 / 16, c) lies at ((p0 / 16) * d / 32 + c)
+// * 256 words.
 inline void pack_keys(const uint16_t* k, int64_t row, int64_t p0, int d, uint32_t* kb) {
     for (int c = 0; c < d / 32; ++c) {
         __m512i w[16];
-        for (int i = 0; i < 16; ++i) w[i] = _mm512_loadu_si512(k + (p0 + i) * row + 32 * c);
+        for (int i = 0; i < 16; ++i) w[i] = _mm512_loadu_si512(k + i * row + 32 * c);
         transpose16(w);
         uint32_t* to = kb + (size_t(p0 / 16) * (d / 32) + c) * 256;
         for (int i = 0; i < 16; ++i) _mm512_storeu_si512(to + 16 * i, w[i]);
@@ -109,13 +110,14 @@ inline size_t packed_values(int64_t len, int64_t p0, int g) {
     return (size_t(g / 64) * size_t(len / 32) + size_t(p0 / 32)) * 2048;
 }
 
-inline void pack_values(const uint16_t* v, int64_t row, int64_t p0, int g, uint16_t* vb) {
+// v[h] is the row of position p0 + 16h (h = 0, 1), the first of 16 rows `row` elements apart.
+inline void pack_values(const uint16_t* const v[2], int64_t row, int g, uint16_t* vb) {
     int16_t lo[32], hi[32];
     for (int t = 0; t < 16; ++t) lo[2 * t] = int16_t(t), lo[2 * t + 1] = int16_t(32 + t),
                                  hi[2 * t] = int16_t(16 + t), hi[2 * t + 1] = int16_t(48 + t);
     const __m512i lo_idx = _mm512_loadu_si512(lo), hi_idx = _mm512_loadu_si512(hi);
     for (int i = 0; i < 16; ++i) {
-        const uint16_t* a = v + (p0 + 2 * i) * row + g;
+        const uint16_t* a = v[i / 8] + (2 * i % 16) * row + g;
         for (int c = 0; c < 2; ++c) {
             const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(a + row + 32 * c);
             _mm512_storeu_si512(vb + size_t(2 * c) * 512 + i * 32, _mm512_permutex2var_epi16(x, lo_idx, y));
@@ -124,13 +126,15 @@ inline void pack_values(const uint16_t* v, int64_t row, int64_t p0, int g, uint1
     }
 }
 
-// Positions [p0, p0 + 32) of one kv head (k, v: position p's row at p * row elements) into its packed K
-// (kb) and V (vb) of `len` positions (a multiple of AMX_ALIGN; each is len * d elements).
-inline void pack_head(const uint16_t* k, const uint16_t* v, int64_t row, int64_t p0, int d, int64_t len, uint32_t* kb,
-                      uint16_t* vb) {
-    pack_keys(k, row, p0, d, kb);
-    pack_keys(k, row, p0 + 16, d, kb);
-    for (int g = 0; g < d; g += 64) pack_values(v, row, p0, g, vb + packed_values(len, p0, g));
+// Positions [p0, p0 + 32) of one kv head into its packed K (kb) and V (vb) of `len` positions (a multiple
+// of AMX_ALIGN; each is len * d elements). k[h] and v[h] are the rows of positions p0 + 16h (h = 0, 1),
+// each the first of 16 rows `row` elements apart: 16 positions from a multiple of 16 lie in one cache
+// block of a multiple of 16 positions, so the tiles pack straight from the blocks.
+inline void pack_head(const uint16_t* const k[2], const uint16_t* const v[2], int64_t row, int64_t p0, int d,
+                      int64_t len, uint32_t* kb, uint16_t* vb) {
+    pack_keys(k[0], row, p0, d, kb);
+    pack_keys(k[1], row, p0 + 16, d, kb);
+    for (int g = 0; g < d; g += 64) pack_values(v, row, g, vb + packed_values(len, p0, g));
 }
 
 // The bits of a 16-position vector from p0 that lie before `limit`.
@@ -244,7 +248,8 @@ inline void attend_amx(const uint16_t* q, int n, const uint32_t* kb, const uint1
 }
 #else
 inline void configure_attention_tiles() {}
-inline void pack_head(const uint16_t*, const uint16_t*, int64_t, int64_t, int, int64_t, uint32_t*, uint16_t*) {}
+inline void pack_head(const uint16_t* const[2], const uint16_t* const[2], int64_t, int64_t, int, int64_t, uint32_t*,
+                      uint16_t*) {}
 inline void attend_amx(const uint16_t*, int, const uint32_t*, const uint16_t*, int64_t, int64_t, int, float, int64_t,
                        float*, float*, float*) {}
 #endif

@@ -583,11 +583,13 @@ void run_flash(const Step& s, ScalarType dtype, std::vector<int32_t>& request) {
 // Cascade attention for requests that share a prefix (many requests over one system prompt or
 // document): where requests that begin with the same whole blocks bring max(flash_min, 2) or more new
 // tokens between them, each of them a decode or a flash request (flash_min+ new tokens), all their
-// queries attend to those blocks together, as one chunk of that many rows to ATen's flash kernel, or in
-// bf16 on AMX to the tiles (the shared K/V read once, in place where consecutive; on the tiles a
+// queries attend to those blocks together, as one chunk of that many rows to ATen's flash kernel (the
+// shared K/V read in place where consecutive), or in bf16 on AMX to the tiles (packed from the blocks; a
 // multiple of AMX_ALIGN positions, the rest going with each member's own), and each request to its own
 // remaining positions alone: a decode with `attend`, a chunk with flash_span. The parts are merged by
-// their log-sum-exps.
+// their log-sum-exps. On the tiles every cascade of the step shares one parallel loop for the shared
+// parts and one for the decodes' own parts (few tasks each per cascade: a loop apiece left threads idle
+// at its end).
 // Without it each request reads the shared blocks on its own, and a chunk's flash calls are small.
 struct Cascade {
     std::vector<int64_t> requests;
@@ -633,142 +635,235 @@ inline std::vector<Cascade> plan_cascades(const Step& s, int64_t align) {
     return cascades;
 }
 
-// The shared part on AMX (attention_amx.h), into common [m, heads, d] and its log-sum-exps [m, heads].
-// A kv head's query vectors are the group's rows times its query heads. With many (a cascade of
-// chunks), every kv head's K and V are packed first, then a task takes 32 vectors of one kv head; with
-// few (a cascade of decodes), a task takes all of one kv head's and packs its K and V itself, so one
-// head's packing, which reads the shared blocks from memory, overlaps another's products.
-inline void shared_on_amx(const Step& s, const uint16_t* queries, int64_t m, const PackSource& source, int64_t shared,
-                          float* common, float* lse) {
+// A cascade's queries, gathered: member i's rows [offset[i], offset[i + 1]) of rows [m, heads, d].
+template <typename T>
+struct CascadeQueries {
+    std::vector<int64_t> offset;
+    std::unique_ptr<T[]> rows;
+    int64_t m;
+};
+
+template <typename T>
+CascadeQueries<T> gather_queries(const Step& s, const Cascade& c) {
+    const int64_t members = int64_t(c.requests.size()), heads = s.num_heads, d = s.head_dim;
+    CascadeQueries<T> g{std::vector<int64_t>(members + 1, 0), nullptr, 0};
+    for (int64_t i = 0; i < members; ++i) g.offset[i + 1] = g.offset[i] + new_tokens(s, c.requests[i]);
+    g.m = g.offset[members];
+    g.rows.reset(new T[g.m * heads * d]);
+    const T* q = static_cast<const T*>(s.q);
+    for (int64_t i = 0; i < members; ++i)
+        for (int64_t t = 0; t < g.offset[i + 1] - g.offset[i]; ++t)
+            for (int64_t h = 0; h < heads; ++h)
+                std::memcpy(g.rows.get() + ((g.offset[i] + t) * heads + h) * d,
+                            q + (s.qsl[c.requests[i]] + t) * s.q_token_stride + h * s.q_head_stride, d * sizeof(T));
+    return g;
+}
+
+// One cascade's shared part for the tiles: its m query rows against positions [0, shared) of `source`,
+// into common [m, heads, d] and its log-sum-exps lse [m, heads].
+struct AmxShared {
+    const uint16_t* queries;
+    int64_t m;
+    PackSource source;
+    int64_t shared;
+    float* common;
+    float* lse;
+};
+
+// Every cascade's shared part on AMX (attention_amx.h), in one parallel loop: a task is query vectors of
+// one kv head of one cascade (a kv head's vectors are the group's rows times its query heads). With many
+// (a cascade of chunks), that cascade's K and V are packed first for every kv head, and a task takes 32
+// vectors; with few (a cascade of decodes), a task takes all of one kv head's and packs its K and V
+// itself, so one head's packing, which reads the shared blocks from memory, overlaps another's products.
+inline void shared_on_amx(const Step& s, const std::vector<AmxShared>& parts) {
     const int64_t heads = s.num_heads, d = s.head_dim, group = heads / s.num_kv_heads;
-    const int64_t vectors = m * group;
-    const bool own_pack = vectors <= 2 * AMX_QUERIES;
-    const int64_t per_task = own_pack ? vectors : AMX_QUERIES, tasks = (vectors + per_task - 1) / per_task;
-    // Every kv head packed beside the others, or (own_pack) one at a time in each thread's kt and vt.
-    std::unique_ptr<uint32_t[]> kb(own_pack ? nullptr : new uint32_t[s.num_kv_heads * shared * d / 2]);
-    std::unique_ptr<uint16_t[]> vb(own_pack ? nullptr : new uint16_t[s.num_kv_heads * shared * d]);
-    if (!own_pack) pack_heads(source, s.num_kv_heads, d, shared, kb.get(), vb.get());
+    struct Task {
+        int64_t part, g, begin, end;
+    };
+    std::vector<Task> tasks;
+    std::vector<std::unique_ptr<uint32_t[]>> kb(parts.size());  // packed before the loop (not own_pack)
+    std::vector<std::unique_ptr<uint16_t[]>> vb(parts.size());
+    int64_t longest = 0, longest_own = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+        const AmxShared& part = parts[i];
+        const int64_t vectors = part.m * group;
+        const bool own_pack = vectors <= 2 * AMX_QUERIES;
+        const int64_t per_task = own_pack ? vectors : AMX_QUERIES;
+        for (int64_t g = 0; g < s.num_kv_heads; ++g)
+            for (int64_t begin = 0; begin < vectors; begin += per_task)
+                tasks.push_back({int64_t(i), g, begin, std::min(begin + per_task, vectors)});
+        longest = std::max(longest, part.shared);
+        if (own_pack) {
+            longest_own = std::max(longest_own, part.shared);
+            continue;
+        }
+        kb[i].reset(new uint32_t[s.num_kv_heads * part.shared * d / 2]);
+        vb[i].reset(new uint16_t[s.num_kv_heads * part.shared * d]);
+        pack_heads(part.source, s.num_kv_heads, d, part.shared, kb[i].get(), vb[i].get());
+    }
 #pragma omp parallel
     {
         configure_attention_tiles();
-        std::unique_ptr<float[]> scratch(new float[AMX_QUERIES * amx_scratch_row(shared)]), o(new float[AMX_QUERIES * d]);
-        std::unique_ptr<uint16_t[]> qt(new uint16_t[AMX_QUERIES * d]);
-        std::unique_ptr<uint32_t[]> kt(own_pack ? new uint32_t[shared * d / 2] : nullptr);
-        std::unique_ptr<uint16_t[]> vt(own_pack ? new uint16_t[shared * d] : nullptr);
+        std::unique_ptr<float[]> scratch(new float[AMX_QUERIES * amx_scratch_row(longest)]);
+        std::unique_ptr<float[]> o(new float[AMX_QUERIES * d]);
+        std::unique_ptr<uint16_t[]> qt(new uint16_t[AMX_QUERIES * d]), vt(new uint16_t[longest_own * d]);
+        std::unique_ptr<uint32_t[]> kt(new uint32_t[longest_own * d / 2]);
         float l[AMX_QUERIES];
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < s.num_kv_heads * tasks; ++task) {
-            const int64_t g = task / tasks, begin = (task % tasks) * per_task, end = std::min(begin + per_task, vectors);
+        for (size_t i = 0; i < tasks.size(); ++i) {
+            const Task& task = tasks[i];
+            const AmxShared& part = parts[task.part];
+            const int64_t g = task.g, shared = part.shared;
+            const bool own_pack = !kb[task.part];
             if (own_pack)
                 for (int64_t p0 = 0; p0 < shared; p0 += AMX_ALIGN)
-                    source.pack(g, int(d), p0, shared, kt.get(), vt.get());
-            const uint32_t* k = own_pack ? kt.get() : kb.get() + g * shared * d / 2;
-            const uint16_t* v = own_pack ? vt.get() : vb.get() + g * shared * d;
-            for (int64_t first = begin; first < end; first += AMX_QUERIES) {
-                const int64_t n = std::min<int64_t>(AMX_QUERIES, end - first);
+                    part.source.pack(g, int(d), p0, shared, kt.get(), vt.get());
+            const uint32_t* k = own_pack ? kt.get() : kb[task.part].get() + g * shared * d / 2;
+            const uint16_t* v = own_pack ? vt.get() : vb[task.part].get() + g * shared * d;
+            for (int64_t first = task.begin; first < task.end; first += AMX_QUERIES) {
+                const int64_t n = std::min<int64_t>(AMX_QUERIES, task.end - first);
                 auto head_row = [&](int64_t j) {  // vector first + j: (row among the group's, query head) flattened
                     const int64_t vec = first + j;
                     return (vec / group) * heads + g * group + vec % group;
                 };
-                for (int64_t j = 0; j < n; ++j) std::memcpy(&qt[j * d], queries + head_row(j) * d, d * sizeof(uint16_t));
+                for (int64_t j = 0; j < n; ++j)
+                    std::memcpy(&qt[j * d], part.queries + head_row(j) * d, d * sizeof(uint16_t));
                 attend_amx(qt.get(), int(n), k, v, shared, shared, int(d), s.scale, INT64_MAX / 2, scratch.get(), o.get(), l);
                 for (int64_t j = 0; j < n; ++j) {
-                    std::memcpy(common + head_row(j) * d, &o[j * d], d * sizeof(float));
-                    lse[head_row(j)] = l[j];
+                    std::memcpy(part.common + head_row(j) * d, &o[j * d], d * sizeof(float));
+                    part.lse[head_row(j)] = l[j];
                 }
             }
         }
     }
 }
 
-// Each member's own positions, merged with its rows of the shared part (C: the shared part's element
-// type; oh/ot and lh/lt its strides per head and row).
+// A cascade's shared part as computed, for its members' merges: out (C: its element type) and lse, with
+// oh/ot and lh/lt their strides per head and row.
 template <typename T, typename C>
-void finish_cascade(const Step& s, ScalarType dtype, const Cascade& c, const std::vector<int64_t>& offset,
-                    const T* queries, const C* oc, int64_t oh, int64_t ot, const float* lc, int64_t lh, int64_t lt) {
-    const int64_t members = int64_t(c.requests.size()), heads = s.num_heads, d = s.head_dim;
-    const int64_t row = s.num_kv_heads * d, width = heads * d;
-    const T* k = static_cast<const T*>(s.k);
-    const T* v = static_cast<const T*>(s.v);
+struct SharedResult {
+    const Cascade* cascade;
+    const CascadeQueries<T>* queries;
+    const C* out;
+    int64_t oh, ot;
+    const float* lse;
+    int64_t lh, lt;
+};
+
+// The chunks' own positions, one chunk after another (the flash kernel spreads each over the threads),
+// merged with their rows of the shared part.
+template <typename T, typename C>
+void finish_chunks(const Step& s, ScalarType dtype, const SharedResult<T, C>& shared) {
+    const Cascade& c = *shared.cascade;
+    const std::vector<int64_t>& offset = shared.queries->offset;
+    const int64_t heads = s.num_heads, d = s.head_dim, row = s.num_kv_heads * d, width = heads * d;
     T* out = static_cast<T*>(s.out);
-    // The chunks' own positions, one chunk after another (the flash kernel spreads each over the threads).
-    for (int64_t i = 0; i < members; ++i) {
+    for (size_t i = 0; i < c.requests.size(); ++i) {
         const int64_t r = c.requests[i], n = offset[i + 1] - offset[i], len = s.seq_lens[r];
         if (n == 1) continue;
         std::unique_ptr<T[]> rows(new T[2 * len * row]);
         std::unique_ptr<float[]> own(new float[n * width]), lse(new float[n * heads]);
-        flash_span(heads_view(const_cast<T*>(queries) + offset[i] * width, dtype, heads, n, d, width, d), dtype, k, v,
-                   s.tables + r * s.table_width, c.shared, n, len, heads, s.num_kv_heads, d, s.block_size, s.scale,
-                   rows.get(), own.get(), lse.get());
+        flash_span(heads_view(shared.queries->rows.get() + offset[i] * width, dtype, heads, n, d, width, d), dtype,
+                   static_cast<const T*>(s.k), static_cast<const T*>(s.v), s.tables + r * s.table_width, c.shared, n,
+                   len, heads, s.num_kv_heads, d, s.block_size, s.scale, rows.get(), own.get(), lse.get());
 #pragma omp parallel for schedule(static) if (n * width >= (1 << 15))
         for (int64_t t = 0; t < n; ++t)
             for (int64_t h = 0; h < heads; ++h)
-                merge_row(out + ((s.qsl[r] + t) * heads + h) * d, oc + h * oh + (offset[i] + t) * ot,
-                          lc[h * lh + (offset[i] + t) * lt], own.get() + (t * heads + h) * d, lse[t * heads + h], d);
-    }
-    // The decodes' own positions, a task each.
-    const int blocks = int(c.shared / s.block_size);
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < members; ++i) {
-        const int64_t r = c.requests[i], t = s.qsl[r];
-        if (offset[i + 1] - offset[i] != 1) continue;
-        float q32[width], o32[width], lse[heads];
-        const T* q_raw = queries + offset[i] * width;
-        for (int64_t e = 0; e < width; ++e) q32[e] = to_float(q_raw[e]);
-        attend(q32, q_raw, k, v, s.tables + r * s.table_width + blocks, int(s.seq_lens[r] - c.shared), o32, int(heads),
-               int(heads / s.num_kv_heads), int(d), int(s.block_size), row, s.scale, nullptr, lse);
-        for (int64_t h = 0; h < heads; ++h)
-            merge_row(out + (t * heads + h) * d, oc + h * oh + offset[i] * ot, lc[h * lh + offset[i] * lt], o32 + h * d,
-                      lse[h], d);
+                merge_row(out + ((s.qsl[r] + t) * heads + h) * d,
+                          shared.out + h * shared.oh + (offset[i] + t) * shared.ot,
+                          shared.lse[h * shared.lh + (offset[i] + t) * shared.lt], own.get() + (t * heads + h) * d,
+                          lse[t * heads + h], d);
     }
 }
 
+// The decodes' own positions, merged with their rows of the shared parts: every cascade's decodes in one
+// parallel loop, a task each.
+template <typename T, typename C>
+void finish_decodes(const Step& s, const std::vector<SharedResult<T, C>>& results) {
+    const int64_t heads = s.num_heads, d = s.head_dim, row = s.num_kv_heads * d, width = heads * d;
+    std::vector<std::pair<const SharedResult<T, C>*, int64_t>> decodes;  // (cascade, member)
+    for (const auto& result : results) {
+        const std::vector<int64_t>& offset = result.queries->offset;
+        for (size_t i = 0; i < result.cascade->requests.size(); ++i)
+            if (offset[i + 1] - offset[i] == 1) decodes.push_back({&result, int64_t(i)});
+    }
+    T* out = static_cast<T*>(s.out);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t task = 0; task < decodes.size(); ++task) {
+        const SharedResult<T, C>& shared = *decodes[task].first;
+        const int64_t i = decodes[task].second, r = shared.cascade->requests[i], t = s.qsl[r];
+        const int64_t at = shared.queries->offset[i], from = shared.cascade->shared;
+        float q32[width], o32[width], lse[heads];
+        const T* q_raw = shared.queries->rows.get() + at * width;
+        for (int64_t e = 0; e < width; ++e) q32[e] = to_float(q_raw[e]);
+        attend(q32, q_raw, static_cast<const T*>(s.k), static_cast<const T*>(s.v),
+               s.tables + r * s.table_width + from / s.block_size, int(s.seq_lens[r] - from), o32, int(heads),
+               int(heads / s.num_kv_heads), int(d), int(s.block_size), row, s.scale, nullptr, lse);
+        for (int64_t h = 0; h < heads; ++h)
+            merge_row(out + (t * heads + h) * d, shared.out + h * shared.oh + at * shared.ot,
+                      shared.lse[h * shared.lh + at * shared.lt], o32 + h * d, lse[h], d);
+    }
+}
+
+// Every cascade of the step: on AMX (bf16) all their shared parts in one parallel loop and all their
+// decodes' own parts in another; else each cascade's shared part as one call to ATen's flash kernel.
 template <typename T>
-void run_cascade(const Step& s, ScalarType dtype, const Cascade& c, bool on_amx, std::vector<int32_t>& request) {
-    const int64_t members = int64_t(c.requests.size()), heads = s.num_heads, d = s.head_dim;
-    const int64_t row = s.num_kv_heads * d, width = heads * d;
-    std::vector<int64_t> offset(members + 1, 0);  // each member's first row among the cascade's queries
-    for (int64_t i = 0; i < members; ++i) offset[i + 1] = offset[i] + new_tokens(s, c.requests[i]);
-    const int64_t m = offset[members];
-    const T* q = static_cast<const T*>(s.q);
-    std::unique_ptr<T[]> queries(new T[m * width]);
-    for (int64_t i = 0; i < members; ++i)
-        for (int64_t t = 0; t < offset[i + 1] - offset[i]; ++t)
-            for (int64_t h = 0; h < heads; ++h)
-                std::memcpy(queries.get() + ((offset[i] + t) * heads + h) * d,
-                            q + (s.qsl[c.requests[i]] + t) * s.q_token_stride + h * s.q_head_stride, d * sizeof(T));
-    const int32_t* lead = s.tables + c.requests[0] * s.table_width;
+void run_cascades(const Step& s, ScalarType dtype, const std::vector<Cascade>& cascades, bool on_amx,
+                  std::vector<int32_t>& request) {
+    const int64_t heads = s.num_heads, d = s.head_dim, row = s.num_kv_heads * d, width = heads * d;
+    std::vector<CascadeQueries<T>> queries;
+    for (const Cascade& c : cascades) queries.push_back(gather_queries<T>(s, c));
+    auto lead = [&](const Cascade& c) { return s.tables + c.requests[0] * s.table_width; };
+    bool done = false;
     if constexpr (std::is_same<T, uint16_t>::value) {
         if (on_amx) {
-            std::unique_ptr<float[]> common(new float[m * width]), lse(new float[m * heads]);
-            std::unique_ptr<uint16_t[]> staged;
-            shared_on_amx(s, queries.get(), m, pack_source(s, lead, c.shared, c.shared, staged), c.shared, common.get(),
-                          lse.get());
-            finish_cascade<T>(s, dtype, c, offset, queries.get(), common.get(), d, width, lse.get(), 1, heads);
-            for (int64_t r : c.requests)
-                for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
-            return;
+            std::vector<std::unique_ptr<float[]>> common, lse;
+            std::vector<std::unique_ptr<uint16_t[]>> staged(cascades.size());
+            std::vector<AmxShared> parts;
+            std::vector<SharedResult<T, float>> results;
+            for (size_t i = 0; i < cascades.size(); ++i) {
+                const Cascade& c = cascades[i];
+                const int64_t m = queries[i].m;
+                common.emplace_back(new float[m * width]);
+                lse.emplace_back(new float[m * heads]);
+                parts.push_back({queries[i].rows.get(), m, pack_source(s, lead(c), c.shared, c.shared, staged[i]),
+                                 c.shared, common[i].get(), lse[i].get()});
+                results.push_back({&c, &queries[i], common[i].get(), d, width, lse[i].get(), 1, heads});
+            }
+            shared_on_amx(s, parts);
+            for (const auto& result : results) finish_chunks(s, dtype, result);
+            finish_decodes(s, results);
+            done = true;
         }
     }
-    std::unique_ptr<T[]> buffer(new T[2 * c.shared * row]);
-    const T* keys = span_rows(static_cast<const T*>(s.k), lead, 0, c.shared, s.block_size, row, buffer.get());
-    const T* values = span_rows(static_cast<const T*>(s.v), lead, 0, c.shared, s.block_size, row,
-                                buffer.get() + c.shared * row);
-    auto kv = [&](const T* rows) { return heads_view(const_cast<T*>(rows), dtype, s.num_kv_heads, c.shared, d, row, d); };
-    const FlashResult common = flash_attention(heads_view(queries.get(), dtype, heads, m, d, width, d), kv(keys),
-                                               kv(values), false, s.scale);
-    finish_cascade<T>(s, dtype, c, offset, queries.get(), static_cast<const T*>(common.out.data_ptr()),
-                      common.out.stride(1), common.out.stride(2), static_cast<const float*>(common.lse.data_ptr()),
-                      common.lse.stride(1), common.lse.stride(2));
-    for (int64_t r : c.requests)
-        for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
+    for (size_t i = 0; i < cascades.size() && !done; ++i) {
+        const Cascade& c = cascades[i];
+        std::unique_ptr<T[]> buffer(new T[2 * c.shared * row]);
+        const T* keys = span_rows(static_cast<const T*>(s.k), lead(c), 0, c.shared, s.block_size, row, buffer.get());
+        const T* values = span_rows(static_cast<const T*>(s.v), lead(c), 0, c.shared, s.block_size, row,
+                                    buffer.get() + c.shared * row);
+        auto kv = [&](const T* rows) {
+            return heads_view(const_cast<T*>(rows), dtype, s.num_kv_heads, c.shared, d, row, d);
+        };
+        const Tensor q = heads_view(queries[i].rows.get(), dtype, heads, queries[i].m, d, width, d);
+        const FlashResult common = flash_attention(q, kv(keys), kv(values), false, s.scale);
+        const SharedResult<T, T> result{&c, &queries[i], static_cast<const T*>(common.out.data_ptr()),
+                                        common.out.stride(1), common.out.stride(2),
+                                        static_cast<const float*>(common.lse.data_ptr()), common.lse.stride(1),
+                                        common.lse.stride(2)};
+        finish_chunks(s, dtype, result);
+        finish_decodes<T, T>(s, {result});
+    }
+    for (const Cascade& c : cascades)
+        for (int64_t r : c.requests)
+            for (int64_t t = s.qsl[r]; t < s.qsl[r + 1]; ++t) request[t] = -2;
 }
 
 // q, the cache and out are all of one element type T.
 template <typename T>
 void run(const Step& s, ScalarType dtype, std::vector<int32_t>& request, const std::vector<int32_t>& length) {
     const bool on_amx = attention_on_amx(std::is_same<T, uint16_t>::value, s.head_dim);
-    for (const Cascade& c : plan_cascades(s, on_amx ? AMX_ALIGN : 1)) run_cascade<T>(s, dtype, c, on_amx, request);
+    run_cascades<T>(s, dtype, plan_cascades(s, on_amx ? AMX_ALIGN : 1), on_amx, request);
     run_flash<T>(s, dtype, request);
     const auto tiles = plan_tiles(s);
     for (const auto& tile : tiles)  // the per-token tasks below leave the tiled tokens alone

@@ -517,16 +517,18 @@ inline void flash_on_amx(const Step& s, int64_t r, uint16_t* out) {
     const int64_t begin = s.qsl[r], n = s.qsl[r + 1] - begin, len = s.seq_lens[r], from = len - n;
     const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads;
     const int64_t padded = amx_padded(len), blocks = (n + AMX_QUERIES - 1) / AMX_QUERIES;
-    std::unique_ptr<uint16_t[]> staged, vb(new uint16_t[s.num_kv_heads * padded * d]);
-    std::unique_ptr<uint32_t[]> kb(new uint32_t[s.num_kv_heads * padded * d / 2]);
+    std::unique_ptr<uint16_t[]> staged;
+    TileBuffer<uint16_t> vb = tile_buffer<uint16_t>(s.num_kv_heads * padded * d);
+    TileBuffer<uint32_t> kb = tile_buffer<uint32_t>(s.num_kv_heads * padded * d / 2);
     pack_heads(pack_source(s, s.tables + r * s.table_width, len, padded, staged), s.num_kv_heads, d, padded, kb.get(),
                vb.get());
     const uint16_t* q = static_cast<const uint16_t*>(s.q);
 #pragma omp parallel
     {
         configure_attention_tiles();
-        std::unique_ptr<float[]> scratch(new float[AMX_QUERIES * amx_scratch_row(padded)]), o(new float[AMX_QUERIES * d]);
-        std::unique_ptr<uint16_t[]> qt(new uint16_t[AMX_QUERIES * d]);
+        TileBuffer<float> scratch = tile_buffer<float>(AMX_QUERIES * amx_scratch_row(padded));
+        TileBuffer<float> o = tile_buffer<float>(AMX_QUERIES * d);
+        TileBuffer<uint16_t> qt = tile_buffer<uint16_t>(AMX_QUERIES * d);
         float lse[AMX_QUERIES];
         // The longest blocks (the last tokens') first, so the short ones fill in at the end.
 #pragma omp for schedule(dynamic, 1)
@@ -681,8 +683,8 @@ inline void shared_on_amx(const Step& s, const std::vector<AmxShared>& parts) {
         int64_t part, g, begin, end;
     };
     std::vector<Task> tasks;
-    std::vector<std::unique_ptr<uint32_t[]>> kb(parts.size());  // packed before the loop (not own_pack)
-    std::vector<std::unique_ptr<uint16_t[]>> vb(parts.size());
+    std::vector<TileBuffer<uint32_t>> kb(parts.size());  // packed before the loop (not own_pack)
+    std::vector<TileBuffer<uint16_t>> vb(parts.size());
     int64_t longest = 0, longest_own = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
         const AmxShared& part = parts[i];
@@ -697,17 +699,17 @@ inline void shared_on_amx(const Step& s, const std::vector<AmxShared>& parts) {
             longest_own = std::max(longest_own, part.shared);
             continue;
         }
-        kb[i].reset(new uint32_t[s.num_kv_heads * part.shared * d / 2]);
-        vb[i].reset(new uint16_t[s.num_kv_heads * part.shared * d]);
+        kb[i] = tile_buffer<uint32_t>(s.num_kv_heads * part.shared * d / 2);
+        vb[i] = tile_buffer<uint16_t>(s.num_kv_heads * part.shared * d);
         pack_heads(part.source, s.num_kv_heads, d, part.shared, kb[i].get(), vb[i].get());
     }
 #pragma omp parallel
     {
         configure_attention_tiles();
-        std::unique_ptr<float[]> scratch(new float[AMX_QUERIES * amx_scratch_row(longest)]);
-        std::unique_ptr<float[]> o(new float[AMX_QUERIES * d]);
-        std::unique_ptr<uint16_t[]> qt(new uint16_t[AMX_QUERIES * d]), vt(new uint16_t[longest_own * d]);
-        std::unique_ptr<uint32_t[]> kt(new uint32_t[longest_own * d / 2]);
+        TileBuffer<float> scratch = tile_buffer<float>(AMX_QUERIES * amx_scratch_row(longest));
+        TileBuffer<float> o = tile_buffer<float>(AMX_QUERIES * d);
+        TileBuffer<uint16_t> qt = tile_buffer<uint16_t>(AMX_QUERIES * d), vt = tile_buffer<uint16_t>(longest_own * d);
+        TileBuffer<uint32_t> kt = tile_buffer<uint32_t>(longest_own * d / 2);
         float l[AMX_QUERIES];
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < tasks.size(); ++i) {

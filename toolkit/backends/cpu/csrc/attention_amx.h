@@ -21,9 +21,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <memory>
 
 #include <immintrin.h>
 
@@ -45,19 +43,6 @@ inline int64_t amx_padded(int64_t len) { return (len + AMX_ALIGN - 1) / AMX_ALIG
 // attend_amx's scratch rows (floats): a query's scores, one cache line more than the positions, so that
 // a tile's 16 rows never lie a multiple of 4 KiB apart (they would share one set of the L1 cache).
 inline int64_t amx_scratch_row(int64_t len) { return len + 16; }
-
-// Memory for the tiles' operands, on a cache line: a tile's rows are 64 bytes, and at malloc's 16-byte
-// alignment every one of them lay across two lines.
-struct FreeAligned {
-    void operator()(void* p) const { std::free(p); }
-};
-template <typename T>
-using TileBuffer = std::unique_ptr<T[], FreeAligned>;
-
-template <typename T>
-TileBuffer<T> tile_buffer(size_t n) {
-    return TileBuffer<T>(static_cast<T*>(std::aligned_alloc(64, std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64))));
-}
 
 // Whether the tiles serve attention of these shapes (bf16, head_dim a multiple of 64, AMX).
 inline bool attention_on_amx(bool bf16, int64_t head_dim) {

@@ -117,7 +117,7 @@ void panel_experts_as(const X* x, const Groups& g, const std::vector<int64_t>& e
         pair.insert(pair.end(), g.pairs.begin() + g.offset[e], g.pairs.begin() + g.offset[e + 1]);
     }
     const int64_t n = int64_t(pair.size());
-    std::unique_ptr<XT[]> xs(new XT[n * H]), act(new XT[n * I]);
+    TileBuffer<XT> xs = tile_buffer<XT>(n * H), act = tile_buffer<XT>(n * I);  // AMX's A tiles where XT is bf16
     std::unique_ptr<float[]> h(new float[n * 2 * I]), y(new float[n * H]);
 #pragma omp parallel for schedule(static) if (n * H >= (1 << 15))
     for (int64_t i = 0; i < n; ++i)

@@ -41,8 +41,10 @@ log = logging.getLogger("toolkit")
 PANEL = 16  # output columns per panel
 NEVER = 1 << 62  # small_m that sends every row count to the panel kernel
 ONEDNN_BATCH_HINT = 64  # the row count oneDNN lays its packed weight out for
-# Up to a prefill chunk's size: on AMX the panel kernel's tiles keep up with oneDNN past 64 rows.
-CANDIDATE_M = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512)
+# Up to a prefill chunk's size (max_num_batched_tokens' default): on AMX the panel kernel's tiles keep up
+# with oneDNN past 64 rows, so the crossover can lie far out; measured only up to 512, SmolLM2's shapes
+# read as "never" once and its 2,048-row chunks went to the panels, at 1.5x oneDNN's time.
+CANDIDATE_M = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512, 1024, 2048)
 MARGIN = 0.95  # oneDNN must be 5% faster to take a row count: ties go to the one-copy layout
 # Int8 panels up to this many rows: the panel kernel widens each weight in registers and computes at the
 # float32 FMA rate; widening the whole weight for oneDNN each call pays back between 32 and 64 rows, in

@@ -483,19 +483,13 @@ inline PackSource pack_source(const Step& s, const int32_t* table, int64_t len, 
     const int64_t row = s.num_kv_heads * s.head_dim;
     const int64_t from = s.block_size % 16 ? 0 : len / AMX_ALIGN * AMX_ALIGN, rows = padded - from;
     staged.reset(rows ? new uint16_t[2 * rows * row] : nullptr);
-    const PackSource source{k, v, table, s.block_size, row, from, staged.get(), staged.get() + rows * row};
-    for (int64_t p = from; p < padded; ++p) {
-        uint16_t* to_k = staged.get() + (p - from) * row;
-        uint16_t* to_v = to_k + rows * row;
-        if (p < len) {
-            std::memcpy(to_k, k + source.in_cache(p), row * sizeof(uint16_t));
-            std::memcpy(to_v, v + source.in_cache(p), row * sizeof(uint16_t));
-        } else {
-            std::memset(to_k, 0, row * sizeof(uint16_t));
-            std::memset(to_v, 0, row * sizeof(uint16_t));
-        }
+    uint16_t *staged_k = staged.get(), *staged_v = staged_k + rows * row;
+    for (auto [cache, to] : {std::pair{k, staged_k}, std::pair{v, staged_v}}) {
+        if (!rows) break;
+        gather_rows(cache, table, from, len, s.block_size, row, to);
+        std::memset(to + (len - from) * row, 0, (padded - len) * row * sizeof(uint16_t));
     }
-    return source;
+    return {k, v, table, s.block_size, row, from, staged_k, staged_v};
 }
 
 // Every kv head's K and V, positions [0, len) (a multiple of AMX_ALIGN), packed for the tiles into kb and

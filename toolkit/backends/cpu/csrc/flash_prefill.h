@@ -52,13 +52,13 @@ inline Tensor heads_view(void* data, ScalarType dtype, int64_t heads, int64_t ro
                                     dtype);
 }
 
-// Rows [from, to) of a cache (position p's row at p * row elements of dst) copied out of its blocks.
+// Rows [from, to) of a cache copied out of its blocks, position p's row to dst + (p - from) * row.
 template <typename T>
 void gather_rows(const T* cache, const int32_t* table, int64_t from, int64_t to, int64_t block_size, int64_t row,
                  T* dst) {
     for (int64_t p = from; p < to;) {
         const int64_t b = p / block_size, rows = std::min((b + 1) * block_size, to) - p;
-        std::memcpy(dst + p * row, cache + (int64_t(table[b]) * block_size + p % block_size) * row,
+        std::memcpy(dst + (p - from) * row, cache + (int64_t(table[b]) * block_size + p % block_size) * row,
                     rows * row * sizeof(T));
         p += rows;
     }
@@ -75,7 +75,7 @@ const T* span_rows(const T* cache, const int32_t* table, int64_t from, int64_t t
     bool consecutive = true;
     for (int64_t b = first + 1; b <= last && consecutive; ++b) consecutive = table[b] == table[first] + (b - first);
     if (consecutive) return cache + (int64_t(table[first]) * block_size + from % block_size) * row;
-    gather_rows(cache, table, from, to, block_size, row, dst);
+    gather_rows(cache, table, from, to, block_size, row, dst + from * row);
     return dst + from * row;
 }
 

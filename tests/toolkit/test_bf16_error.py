@@ -68,7 +68,7 @@ def measured(request, tmp_path_factory):
     tie = near_tie_checkpoint(path, tie_prompt)
     reference = engine_logits(make_llm(path, "eager", "float32").engine.runner, sequences)
     hf_reference = hf_logits(path, sequences, torch.float32)
-    errors, theirs, first_tokens, logits, graphs = {}, {}, {}, {}, {}
+    errors, theirs, first_tokens, logits, graphs, packed = {}, {}, {}, {}, {}, {}
     for dtype in DTYPES:
         theirs[dtype] = error(hf_logits(path, sequences, getattr(torch, dtype)), hf_reference)
         for name in PATHS:
@@ -79,18 +79,22 @@ def measured(request, tmp_path_factory):
             out = llm.generate([{"prompt_token_ids": tie_prompt}], SamplingParams(temperature=0, max_tokens=1),
                                use_tqdm=False)
             first_tokens[(dtype, name)] = out[0].outputs[0].token_ids[0]
-            graphs[(dtype, name)] = llm.engine.stats()["graphs"]
+            stats = llm.engine.stats()
+            graphs[(dtype, name)], packed[(dtype, name)] = stats["graphs"], stats["backend"]["packed_linears"]
             del llm
             gc.collect()
-    return family, tie, errors, theirs, first_tokens, logits, graphs
+    return family, tie, errors, theirs, first_tokens, logits, graphs, packed
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_path_is_as_close_to_float32_as_transformers(measured, dtype):
-    family, _, errors, theirs, _, _, graphs = measured
+    family, _, errors, theirs, _, _, graphs, packed = measured
     # Every feed and the served request ran through the one graph a served engine compiles: the
     # teacher-forced steps measure the path users run (and a graph per length would cost CI minutes).
     assert all(graphs[(dtype, name)] == (1 if name.startswith("compiled") else 0) for name in PATHS), graphs
+    # The kernels' paths ran the C++ linears in the half dtype (half weights widened to float32, or
+    # oneDNN's native bf16), not torch's emulated half matmuls; "eager-torch" is torch's own.
+    assert all((packed[(dtype, name)] > 0) == (name != "eager-torch") for name in PATHS), packed
     report = "; ".join(f"{name}/{feed}: {errors[(dtype, name, feed)].logits:.4f} "
                        f"(mean {errors[(dtype, name, feed)].mean_logits:.5f})" for name in PATHS for feed in FEEDS)
     for name in PATHS:
@@ -106,7 +110,7 @@ def test_every_path_is_as_close_to_float32_as_transformers(measured, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_logits_are_float32_and_near_ties_resolve_as_in_float32(measured, dtype):
-    family, (a, b), _, _, first_tokens, logits, _ = measured
+    family, (a, b), _, _, first_tokens, logits, _, _ = measured
     for name in PATHS:
         row = logits[(dtype, name)][-1]
         # Logits rounded to the half dtype would all be representable in it.

@@ -5,9 +5,8 @@ import os
 # Two pytest workers share two cores, each running engines with torch's two threads: OpenMP's default
 # (active) waiting spins a thread at the end of every parallel region while its partner is descheduled,
 # burning the core the other worker needs. Sleeping instead gives the same results bit for bit (the
-# work is split the same way) and ran test_parity.py and test_engine_speculative.py in two workers in
-# 46-50 s against 197-228 s (docs/benchmarks.md). Read when OpenMP starts, so set before torch is
-# imported; subprocesses inherit it; a value already set wins.
+# work is split the same way) in a fraction of the time (docs/benchmarks.md). Read when OpenMP starts,
+# so set before torch is imported; subprocesses inherit it; a value already set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402

@@ -24,6 +24,7 @@ import torch
 from toolkit import attention
 from toolkit.backends import Backend
 from toolkit.backends.cpu import attention_plan, kernels, vec_isa_probes
+from toolkit.backends.cpu.experts import describe as describe_experts
 from toolkit.backends.cpu.experts import pack_experts
 from toolkit.backends.cpu.linear import (LinearPlan, layer_shapes, onednn_native, pack_int8_linears, pack_linears,
                                          plan_for)
@@ -108,9 +109,9 @@ class CPUBackend(Backend):
         both = f"; both layouts kept: {weight_bytes / 2**20:.0f} MiB more memory" if plan.panels and plan.onednn else ""
         log.info("CPU linears: %s (%s)%s", plan.describe(), plan.source, both)
         changes.append(f"{self.packed_linears} linears packed: {plan.describe()}{both}")
-        experts = pack_experts(model, plan) if self.has_kernel("experts") else 0
+        experts, small_m = pack_experts(model, plan) if self.has_kernel("experts") else (0, 0)
         if experts:
-            changes.append(f"the experts of {experts} MoE layers packed for the linear kernel, as the linears")
+            changes.append(f"the experts of {experts} MoE layers packed: {describe_experts(small_m)}")
         return changes
 
     def _plan_prefill_attention(self, tp) -> str:

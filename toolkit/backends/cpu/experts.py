@@ -8,6 +8,12 @@ rows run the panel kernel together, and an expert with more rows (a prefill's) r
 units, whose weight is packed once here (`F.linear` on a plain bf16 weight has oneDNN reorder it on
 every call).
 
+Where the linears' plan keeps both layouts, the row count up to which an expert runs the panels is
+measured apart, on the experts' own shapes (`choose_small_m`, cached beside the linears' choice): the
+experts' panel loop splits every expert's panels between the threads, and a prefill's hundreds of rows
+an expert ran there at half oneDNN's rate where the dense linears' crossover lay at 512 rows
+(docs/benchmarks.md). Only the layouts that crossover uses are kept.
+
 The op is called with the stacked `Experts.w13` / `w2` (toolkit/moe/ops.py's contract, which the
 reference and expert parallelism share), so the packed layouts are found by the data pointer of
 `w13`; an entry lives as long as that parameter does. Experts never packed run the reference.
@@ -15,14 +21,19 @@ reference and expert parallelism share), so the packed layouts are found by the 
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from toolkit.backends.cpu.linear import NEVER, ONEDNN_BATCH_HINT, LinearPlan, pack
+from toolkit.backends.cpu import choices, kernels
+from toolkit.backends.cpu.choices import best_of_each, first_lasting_win
+from toolkit.backends.cpu.linear import CANDIDATE_M, MARGIN, NEVER, ONEDNN_BATCH_HINT, LinearPlan, pack
 from toolkit.moe.ops import moe_experts_torch, register_impl
+
+log = logging.getLogger("toolkit")
 
 
 @dataclass
@@ -40,29 +51,78 @@ class _Packed:
 _PACKED: dict[int, _Packed] = {}  # Experts.w13.data_ptr() -> its packed layouts
 
 
-def _onednn(weights: torch.Tensor, plan: LinearPlan) -> list[torch.Tensor]:
-    if not plan.onednn:
-        return []
+def _onednn(weights: torch.Tensor) -> list[torch.Tensor]:
     return [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), ONEDNN_BATCH_HINT) for w in weights]
 
 
-def pack_experts(model: nn.Module, plan: LinearPlan) -> int:
-    """Pack every `Experts` module's weights under `plan` and serve the experts op on CPU with them;
-    returns how many layers were packed."""
+def choose_small_m(plan: LinearPlan, dtype: torch.dtype, hidden: int, intermediate: int) -> tuple[int, str]:
+    """(the largest row count an expert runs through the panels, where that came from): the plan's one
+    layout where it keeps one, else measured on the experts' shapes (or read back from the last time)."""
+    if not plan.panels:
+        return 0, plan.source
+    if not plan.onednn:
+        return NEVER, plan.source
+    library = kernels.library("experts")
+    choice_key = choices.key(dtype, hidden, intermediate, library.name if library else "", CANDIDATE_M, MARGIN)
+    choice, read_back = choices.cached("experts-choices", choice_key,
+                                       lambda: {"small_m": _measure_small_m(dtype, hidden, intermediate)})
+    return choice["small_m"], "cached" if read_back else "measured"
+
+
+def _measure_small_m(dtype: torch.dtype, hidden: int, intermediate: int) -> int:
+    """As the linears' crossover (linear.py), over two experts that every one of M tokens is routed to:
+    the largest M (rows an expert) at which the panels are not beaten by oneDNN twice in a row."""
+    generator = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(2, 2 * intermediate, hidden, generator=generator) * 0.02).to(dtype)
+    w2 = (torch.randn(2, hidden, intermediate, generator=generator) * 0.02).to(dtype)
+    layouts = (pack(w13), pack(w2), _onednn(w13), _onednn(w2))
+    op = torch.ops.toolkit.experts_cpu.default
+    wins = []
+    with torch.inference_mode():
+        for m in CANDIDATE_M:
+            x = torch.randn(m, hidden, generator=generator).to(dtype)
+            ids = torch.tensor([[0, 1]]).expand(m, 2).contiguous()
+            weights = torch.full((m, 2), 0.5)
+            panel_s, onednn_s = best_of_each(lambda use_panels: op(x, weights, ids, 0, *layouts,
+                                                                   NEVER if use_panels else 0))
+            wins.append(onednn_s < MARGIN * panel_s)
+            log.debug("experts at M=%d: panel %.3f ms, oneDNN %.3f ms", m, panel_s * 1e3, onednn_s * 1e3)
+            if wins[-2:] == [True, True]:
+                break
+    i = first_lasting_win(wins)
+    return NEVER if i is None else 0 if i == 0 else CANDIDATE_M[i - 1]
+
+
+def describe(small_m: int) -> str:
+    if small_m == NEVER:
+        return "the panel kernel for every row count"
+    if small_m == 0:
+        return "oneDNN for every row count"
+    return f"the panel kernel up to {small_m} rows an expert, oneDNN above"
+
+
+def pack_experts(model: nn.Module, plan: LinearPlan, small_m: int | None = None) -> tuple[int, int]:
+    """Pack every `Experts` module's weights for the experts with at most `small_m` rows on the panels
+    and the rest on oneDNN (None: `choose_small_m`, under `plan`), keeping those layouts only, and serve
+    the experts op on CPU with them; returns (how many layers were packed, small_m)."""
     from toolkit.models.moe import Experts
 
-    count = 0
-    for experts in (m for m in model.modules() if isinstance(m, Experts)):
+    layers = [m for m in model.modules() if isinstance(m, Experts)]
+    if not layers:
+        return 0, 0
+    if small_m is None:
+        _, hidden, intermediate = layers[0].w2.shape
+        small_m, source = choose_small_m(plan, layers[0].w13.dtype, hidden, intermediate)
+        log.info("CPU experts: %s (%s)", describe(small_m), source)
+    for experts in layers:
         w13, w2 = experts.w13.detach(), experts.w2.detach()
         key = w13.data_ptr()
-        _PACKED[key] = _Packed(pack(w13) if plan.panels else None, pack(w2) if plan.panels else None,
-                               _onednn(w13, plan), _onednn(w2, plan),
-                               small_m=(plan.small_m if plan.onednn else NEVER) if plan.panels else 0)
+        panels, onednn = small_m > 0, small_m < NEVER
+        _PACKED[key] = _Packed(pack(w13) if panels else None, pack(w2) if panels else None,
+                               _onednn(w13) if onednn else [], _onednn(w2) if onednn else [], small_m=small_m)
         weakref.finalize(experts.w13, _PACKED.pop, key, None)
-        count += 1
-    if count:
-        register_impl("cpu", moe_experts_cpu, replace=False)
-    return count
+    register_impl("cpu", moe_experts_cpu, replace=False)
+    return len(layers), small_m
 
 
 def moe_experts_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

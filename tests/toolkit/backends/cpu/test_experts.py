@@ -69,7 +69,7 @@ def test_cpu_experts_match_float64(plan, dtype, tol, routing, hidden, inter):
         ids[:, 0], ids[:, 1] = 5, 2  # every token on the same two experts: rows past both small_m paths
     ids[3] = torch.tensor([6, 6])  # one token on one expert twice
     weights = torch.softmax(torch.randn(T, k, generator=g), -1)
-    assert cpu_experts.pack_experts(torch.nn.ModuleList([m]), PLANS[plan]) == 1
+    assert cpu_experts.pack_experts(torch.nn.ModuleList([m]), PLANS[plan], PLANS[plan].small_m) == (1, PLANS[plan].small_m)
     assert ops.impl_for(torch.device("cpu")) is cpu_experts.moe_experts_cpu
     with torch.profiler.profile() as prof:
         out = ops.moe_experts(x, m.w13, m.w2, weights, ids, first)
@@ -87,3 +87,39 @@ def test_a_moe_model_on_the_cpu_kernels_runs_them_and_keeps_transformers_tokens(
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, prompts, 8)
+
+
+def test_the_experts_crossover_is_measured_on_their_shapes_cached_and_keeps_only_its_layouts(tmp_path, monkeypatch):
+    """Under a plan with both layouts the experts measure their own crossover: with the experts op itself,
+    panels against oneDNN on the same rows (their outputs agree), the panels up to the last row count
+    before oneDNN's lasting win; the result is cached per shape, and a layer keeps only the layouts the
+    crossover uses."""
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    both = LinearPlan(panels=True, onednn=True, small_m=512, source="measured")
+    H, I = 64, 32
+    rows = []
+
+    def fake_best_of_each(run, reps=5):
+        panel_out, onednn_out = run(True), run(False)
+        rows.append(panel_out.shape[0])
+        torch.testing.assert_close(panel_out, onednn_out, rtol=1e-4, atol=1e-5)
+        return 1.0, (0.5 if panel_out.shape[0] >= 24 else 2.0)  # oneDNN wins from 24 rows an expert on
+
+    monkeypatch.setattr(cpu_experts, "best_of_each", fake_best_of_each)
+    assert cpu_experts.choose_small_m(both, torch.float32, H, I) == (16, "measured")
+    assert rows == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]  # stopped at oneDNN's second win in a row
+    assert cpu_experts.choose_small_m(both, torch.float32, H, I) == (16, "cached") and len(rows) == 10
+    cpu_experts.choose_small_m(both, torch.float32, H, 2 * I)  # other shapes: measured again
+    assert len(rows) == 20
+    # One layout in the plan: nothing to measure.
+    assert cpu_experts.choose_small_m(PLANS["panels"], torch.float32, H, I) == (NEVER, "test")
+    assert cpu_experts.choose_small_m(PLANS["onednn"], torch.float32, H, I) == (0, "test")
+
+    layer = _experts(4, H, I, torch.float32, seed=2)
+    assert cpu_experts.pack_experts(torch.nn.ModuleList([layer]), both) == (1, 16)
+    packed = cpu_experts._PACKED[layer.w13.data_ptr()]
+    assert packed.w13_panels is not None and len(packed.w13_onednn) == 4
+    for small_m in (NEVER, 0):
+        cpu_experts.pack_experts(torch.nn.ModuleList([layer]), both, small_m)
+        packed = cpu_experts._PACKED[layer.w13.data_ptr()]
+        assert (packed.w13_panels is not None, bool(packed.w2_onednn)) == (small_m == NEVER, small_m == 0)

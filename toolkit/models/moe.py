@@ -14,8 +14,9 @@ transformers exactly:
 
 The experts are held stacked, `w13 [E_local, 2*I, H]` (gate rows then up rows) and `w2 [E_local, H, I]`;
 weights.py stacks the checkpoint's per-expert tensors into them. Expert parallelism gives a layer
-only some experts (`first_expert`, E_local < E) and a `dispatcher` from outside (parallel/); the
-model code knows nothing of it.
+only some experts (`first_expert`, E_local < E) and a `dispatcher` from outside (parallel/), and the
+CPU backend one that calls its kernel straight (toolkit/backends/cpu/experts.py); the model code
+knows nothing of either.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(local, hidden_size, intermediate_size))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        self.dispatcher = None  # set from outside by expert parallelism: (experts, x, weights, ids) -> [T, H]
+        # Set from outside (expert or tensor parallelism, the CPU backend): (experts, x, weights, ids) -> [T, H]
+        self.dispatcher = None
 
     @property
     def num_local_experts(self) -> int:

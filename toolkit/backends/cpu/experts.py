@@ -14,8 +14,10 @@ experts' panel loop splits every expert's panels between the threads, and a pref
 an expert ran there at half oneDNN's rate where the dense linears' crossover lay at 512 rows
 (docs/benchmarks.md). Only the layouts that crossover uses are kept.
 
-The op is called with the stacked `Experts.w13` / `w2` (toolkit/moe/ops.py's contract, which the
-reference and expert parallelism share), so the packed layouts are found by the data pointer of
+Each layer's layouts live in a `PackedExperts`, which becomes the layer's dispatcher where no
+parallelism set one: the step calls the kernel straight. Expert and tensor parallelism's dispatchers
+call `toolkit::moe_experts` with the stacked `Experts.w13` / `w2` (toolkit/moe/ops.py's contract,
+which the reference shares), so its CPU implementation here finds the layouts by the data pointer of
 `w13`; an entry lives as long as that parameter does. Experts never packed run the reference.
 """
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,23 +37,55 @@ from toolkit.moe.ops import moe_experts_torch, register_impl
 log = logging.getLogger("toolkit")
 
 
-@dataclass
-class _Packed:
-    """One layer's local experts in the linear kernel's layouts: stacked panels and/or a oneDNN weight
-    per expert, and the largest row count the panels serve."""
+class PackedExperts(nn.Module):
+    """One layer's local experts in the linear kernel's layouts (stacked panels and/or one oneDNN weight
+    per expert) and the largest row count an expert runs on the panels.
 
-    w13_panels: torch.Tensor | None
-    w2_panels: torch.Tensor | None
-    w13_onednn: list[torch.Tensor]
-    w2_onednn: list[torch.Tensor]
-    small_m: int
+    Set as the layer's `Experts.dispatcher` where no parallelism set one, so that the step calls
+    `toolkit::experts_cpu` straight from the compiled graph, counting the tokens in the same call: around
+    `toolkit::moe_experts`, a Python op, each layer paid the op's Python and the counting's small ops
+    (about as much as a batch-1 decode's expert stream). Under expert or tensor parallelism their
+    dispatchers call `toolkit::moe_experts`, whose CPU implementation finds these layouts by w13's data
+    pointer (`moe_experts_cpu`)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, small_m: int):
+        super().__init__()
+        panels, onednn = small_m > 0, small_m < NEVER
+        self.register_buffer("w13_panels", pack(w13) if panels else None, persistent=False)
+        self.register_buffer("w2_panels", pack(w2) if panels else None, persistent=False)
+        self.onednn_experts = w13.shape[0] if onednn else 0
+        for e in range(self.onednn_experts):  # buffers, so the compiled graph takes them as inputs
+            self.register_buffer(f"w13_onednn_{e}", _onednn(w13[e]), persistent=False)
+            self.register_buffer(f"w2_onednn_{e}", _onednn(w2[e]), persistent=False)
+        self.small_m = small_m
+
+    @property
+    def w13_onednn(self) -> list[torch.Tensor]:
+        return [getattr(self, f"w13_onednn_{e}") for e in range(self.onednn_experts)]
+
+    @property
+    def w2_onednn(self) -> list[torch.Tensor]:
+        return [getattr(self, f"w2_onednn_{e}") for e in range(self.onednn_experts)]
+
+    def forward(self, experts: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.run(x, topk_weights, topk_ids, experts.first_expert, experts.tokens_per_expert)
+
+    def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
+            tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.toolkit.experts_cpu.default(
+            x.contiguous(), topk_weights.float().contiguous(), topk_ids.contiguous(), first_expert, self.w13_panels,
+            self.w2_panels, self.w13_onednn, self.w2_onednn, self.small_m, tokens_per_expert)
+
+    def extra_repr(self) -> str:
+        return f"small_m={self.small_m}, panels={self.w13_panels is not None}, onednn={self.onednn_experts > 0}"
 
 
-_PACKED: dict[int, _Packed] = {}  # Experts.w13.data_ptr() -> its packed layouts
+_PACKED: dict[int, PackedExperts] = {}  # Experts.w13.data_ptr() -> its packed layouts
 
 
-def _onednn(weights: torch.Tensor) -> list[torch.Tensor]:
-    return [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), ONEDNN_BATCH_HINT) for w in weights]
+def _onednn(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_BATCH_HINT)
 
 
 def choose_small_m(plan: LinearPlan, dtype: torch.dtype, hidden: int, intermediate: int) -> tuple[int, str]:
@@ -75,7 +108,7 @@ def _measure_small_m(dtype: torch.dtype, hidden: int, intermediate: int) -> int:
     generator = torch.Generator().manual_seed(0)
     w13 = (torch.randn(2, 2 * intermediate, hidden, generator=generator) * 0.02).to(dtype)
     w2 = (torch.randn(2, hidden, intermediate, generator=generator) * 0.02).to(dtype)
-    layouts = (pack(w13), pack(w2), _onednn(w13), _onednn(w2))
+    layouts = (pack(w13), pack(w2), [_onednn(w) for w in w13], [_onednn(w) for w in w2])
     op = torch.ops.toolkit.experts_cpu.default
     wins = []
     with torch.inference_mode():
@@ -103,8 +136,9 @@ def describe(small_m: int) -> str:
 
 def pack_experts(model: nn.Module, plan: LinearPlan, small_m: int | None = None) -> tuple[int, int]:
     """Pack every `Experts` module's weights for the experts with at most `small_m` rows on the panels
-    and the rest on oneDNN (None: `choose_small_m`, under `plan`), keeping those layouts only, and serve
-    the experts op on CPU with them; returns (how many layers were packed, small_m)."""
+    and the rest on oneDNN (None: `choose_small_m`, under `plan`), keeping those layouts only; serve each
+    layer with them (`PackedExperts`) and the experts op on CPU too; returns (how many layers were
+    packed, small_m)."""
     from toolkit.models.moe import Experts
 
     layers = [m for m in model.modules() if isinstance(m, Experts)]
@@ -115,12 +149,12 @@ def pack_experts(model: nn.Module, plan: LinearPlan, small_m: int | None = None)
         small_m, source = choose_small_m(plan, layers[0].w13.dtype, hidden, intermediate)
         log.info("CPU experts: %s (%s)", describe(small_m), source)
     for experts in layers:
-        w13, w2 = experts.w13.detach(), experts.w2.detach()
-        key = w13.data_ptr()
-        panels, onednn = small_m > 0, small_m < NEVER
-        _PACKED[key] = _Packed(pack(w13) if panels else None, pack(w2) if panels else None,
-                               _onednn(w13) if onednn else [], _onednn(w2) if onednn else [], small_m=small_m)
+        packed = PackedExperts(experts.w13.detach(), experts.w2.detach(), small_m)
+        key = experts.w13.data_ptr()
+        _PACKED[key] = packed
         weakref.finalize(experts.w13, _PACKED.pop, key, None)
+        if experts.dispatcher is None or isinstance(experts.dispatcher, PackedExperts):
+            experts.dispatcher = packed
     register_impl("cpu", moe_experts_cpu, replace=False)
     return len(layers), small_m
 
@@ -130,6 +164,4 @@ def moe_experts_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     packed = _PACKED.get(w13.data_ptr())
     if packed is None or x.dtype != w13.dtype:
         return moe_experts_torch(x, w13, w2, topk_weights, topk_ids, first_expert)
-    return torch.ops.toolkit.experts_cpu.default(
-        x.contiguous(), topk_weights.float().contiguous(), topk_ids.contiguous(), first_expert, packed.w13_panels,
-        packed.w2_panels, packed.w13_onednn, packed.w2_onednn, packed.small_m)
+    return packed.run(x, topk_weights, topk_ids, first_expert)

@@ -6,9 +6,10 @@
   with a float32 scale per output column (weight-only int8, toolkit/quantization.py).
 - `toolkit::pack_panels(weight, panels)`: a weight into the panel layout, once at load.
 - `toolkit::experts_cpu(x, topk_weights, topk_ids, first_expert, w13_panels, w2_panels, w13_onednn,
-  w2_onednn, small_m)` (csrc/experts.cpp): an MoE layer's routed experts in one call, the CPU
-  implementation of `toolkit::moe_experts` (toolkit/backends/cpu/experts.py); called only from inside
-  that op, so it needs no fake kernel.
+  w2_onednn, small_m, tokens_per_expert=None)` (csrc/experts.cpp): an MoE layer's routed experts in one
+  call, counting the pairs each expert received into tokens_per_expert where given; the compiled step
+  calls it straight (toolkit/backends/cpu/experts.py), and it is the CPU implementation of
+  `toolkit::moe_experts` under expert parallelism.
 - `toolkit::paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, flash_min=0)` and
   `toolkit::write_kv_cpu(k, v, kv_cache, slot_mapping)` (csrc/attention.cpp): attention for every
   step kind and the KV write; `attention/` dispatches to them once the CPU backend registers them.
@@ -92,6 +93,8 @@ def _register_fakes(name: str) -> None:
     if name == "linear":
         torch.library.register_fake("toolkit::linear_cpu")(_linear_fake)
         torch.library.register_fake("toolkit::linear_int8_cpu")(_linear_int8_fake)
+    elif name == "experts":
+        torch.library.register_fake("toolkit::experts_cpu")(_experts_fake)
     elif name == "attention":
         torch.library.register_fake("toolkit::paged_attention_cpu")(_attention_fake)
         torch.library.register_fake("toolkit::write_kv_cpu")(_write_fake)
@@ -103,6 +106,11 @@ def _linear_fake(x, panels, onednn_weight, bias, out_features, small_m):
 
 def _linear_int8_fake(x, panels, scales, bias, out_features, small_m):
     return x.new_empty(x.shape[0], out_features)
+
+
+def _experts_fake(x, topk_weights, topk_ids, first_expert, w13_panels, w2_panels, w13_onednn, w2_onednn, small_m,
+                  tokens_per_expert=None):
+    return x.new_empty(x.shape)
 
 
 def _attention_fake(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, flash_min=0):

@@ -76,6 +76,13 @@ def test_cpu_experts_match_float64(plan, dtype, tol, routing, hidden, inter):
     assert "toolkit::experts_cpu" in {e.name for e in prof.events()}, "the packed experts did not serve the op"
     ref = _oracle(x, m, weights, ids)
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+    # The layer's own dispatcher (what the compiled step calls): the kernel straight, counting the pairs
+    # each local expert received into the layer's global counters.
+    assert isinstance(m.dispatcher, cpu_experts.PackedExperts)
+    direct = m(x, weights, ids)
+    assert torch.equal(direct, out)
+    local = ids[(ids >= first) & (ids < first + m.num_local_experts)]
+    assert m.tokens_per_expert.tolist() == torch.bincount(local, minlength=E).tolist()
 
 
 def test_a_moe_model_on_the_cpu_kernels_runs_them_and_keeps_transformers_tokens(tmp_path):

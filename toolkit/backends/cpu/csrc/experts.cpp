@@ -196,10 +196,11 @@ Tensor run(const Tensor& x, const Groups& g, const std::optional<Tensor>& w13, c
 // x [T, H]; topk_weights [T, k] float32; topk_ids [T, k] int64 (global ids); w13_panels [E, ceil(2I / 16),
 // H, 16] and w2_panels [E, ceil(H / 16), I, 16] in x's dtype, or none (every expert through oneDNN);
 // w13_onednn / w2_onednn: E oneDNN weights each, or none (every expert through the panels). An expert with
-// at most small_m rows runs the panels where there are some.
+// at most small_m rows runs the panels where there are some. tokens_per_expert (int64, global E), when
+// given, gets each local expert's pair count added (toolkit/moe/ops.py's load statistics).
 Tensor experts_cpu(Tensor x, Tensor topk_weights, Tensor topk_ids, int64_t first_expert, std::optional<Tensor> w13_panels,
                    std::optional<Tensor> w2_panels, std::vector<Tensor> w13_onednn, std::vector<Tensor> w2_onednn,
-                   int64_t small_m) {
+                   int64_t small_m, std::optional<Tensor> tokens_per_expert) {
     check_cpu(x, "x");
     STD_TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "experts_cpu: x must be a contiguous [T, H] tensor, got ", shape(x));
     const int64_t T = x.size(0), H = x.size(1);
@@ -230,6 +231,16 @@ Tensor experts_cpu(Tensor x, Tensor topk_weights, Tensor topk_ids, int64_t first
         I = w2_onednn[0].size(1);
     }
     const Groups g = group(static_cast<const int64_t*>(topk_ids.data_ptr()), T * k, first_expert, E);
+    if (tokens_per_expert) {
+        const Tensor& c = *tokens_per_expert;
+        check_cpu(c, "tokens_per_expert");
+        STD_TORCH_CHECK(c.scalar_type() == ScalarType::Long && c.dim() == 1 && c.is_contiguous() &&
+                            first_expert >= 0 && first_expert + E <= c.size(0),
+                        "experts_cpu: tokens_per_expert must be a contiguous int64 [E] tensor over the global experts, "
+                        "holding [first_expert, first_expert + ", E, "), got ", shape(c));
+        int64_t* counts = static_cast<int64_t*>(c.data_ptr()) + first_expert;
+        for (int64_t e = 0; e < E; ++e) counts[e] += g.offset[e + 1] - g.offset[e];
+    }
     const float* w = static_cast<const float*>(topk_weights.data_ptr());
     switch (kind_of(x, "x")) {
         case F32: return run<float>(x, g, w13_panels, w2_panels, w13_onednn, w2_onednn, w, k, E, H, I, small_m);
@@ -243,7 +254,8 @@ Tensor experts_cpu(Tensor x, Tensor topk_weights, Tensor topk_ids, int64_t first
 
 STABLE_TORCH_LIBRARY_FRAGMENT(toolkit, m) {
     m.def("experts_cpu(Tensor x, Tensor topk_weights, Tensor topk_ids, int first_expert, Tensor? w13_panels, "
-          "Tensor? w2_panels, Tensor[] w13_onednn, Tensor[] w2_onednn, int small_m) -> Tensor");
+          "Tensor? w2_panels, Tensor[] w13_onednn, Tensor[] w2_onednn, int small_m, Tensor(a!)? tokens_per_expert=None) "
+          "-> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(toolkit, CPU, m) { m.impl("experts_cpu", TORCH_BOX(&experts_cpu)); }

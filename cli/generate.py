@@ -341,8 +341,11 @@ def check_model_splits(model: Path | None, tp: int, dp: int = 1, expert_parallel
 def run_prompt(io: IOArgs, model: Path | None, sampling: dict, engine_args: dict, ranks: Ranks = Ranks()) -> int:
     if io.input is not None or io.output is not None:
         raise CliError("a PROMPT's completion is printed to stdout; --input and --output are for prompt files")
+    from toolkit.backends import start_early
+
     console = stderr_console() if ranks.main else Console(quiet=True)
     base = base_params(sampling)
+    start_early(engine_args.get("device"))  # a first run's kernel builds overlap reading the chat template too
     job = prompt_job(io, model, engine_args, base)
     # A PROMPT's run never holds more sequences than it asks for: its KV cache is sized for those, not
     # for max_num_seqs of them (allocating and zeroing the rest took longer than a short answer).

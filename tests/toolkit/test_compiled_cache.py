@@ -68,6 +68,19 @@ def test_a_fresh_process_loads_the_step_and_another_checkpoint_shares_it(models,
     assert sorted(cache.iterdir()) == saved
 
 
+def test_a_moe_step_on_the_cpu_kernels_is_saved_and_loaded(tmp_path, cache):
+    """The experts' kernel is called from the step through each layer's dispatcher (a module of the
+    CPU backend): nothing it adds may hold a guard the saved step cannot keep (a property's getter
+    did: "CLOSURE_MATCH guard cannot be serialized", and the step fell back to the JIT path)."""
+    path = write_checkpoint(tmp_path / "moe", "qwen3_moe", seed=3, **SMALL)
+    prompts = random_prompts(3, seed=12, low=2, high=30)
+    want = hf_greedy(path, prompts, MAX_TOKENS)
+    tokens, step = generate(path, prompts)
+    assert tokens == want and list(step.sources.values()) == ["compiled"]
+    tokens, step = generate(path, prompts)
+    assert tokens == want and list(step.sources.values()) == ["loaded"]
+
+
 def test_another_max_model_len_is_another_step(models, cache):
     """The RoPE table's length is max_model_len's and the saved graph asserts it: a step saved at 96
     found by an engine at 160 failed its first call ("expected size 160==96")."""

@@ -59,13 +59,11 @@ class PackedExperts(nn.Module):
             self.register_buffer(f"w2_onednn_{e}", _onednn(w2[e]), persistent=False)
         self.small_m = small_m
 
-    @property
-    def w13_onednn(self) -> list[torch.Tensor]:
-        return [getattr(self, f"w13_onednn_{e}") for e in range(self.onednn_experts)]
-
-    @property
-    def w2_onednn(self) -> list[torch.Tensor]:
-        return [getattr(self, f"w2_onednn_{e}") for e in range(self.onednn_experts)]
+    def onednn(self, matmul: str) -> list[torch.Tensor]:
+        """The oneDNN weight of every expert for `matmul` ("w13" or "w2"), or none. A method, not a
+        property: Dynamo guards a property's getter through the class, a guard the saved step cannot
+        hold (toolkit/compiled_cache.py)."""
+        return [getattr(self, f"{matmul}_onednn_{e}") for e in range(self.onednn_experts)]
 
     def forward(self, experts: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
@@ -75,7 +73,7 @@ class PackedExperts(nn.Module):
             tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.toolkit.experts_cpu.default(
             x.contiguous(), topk_weights.float().contiguous(), topk_ids.contiguous(), first_expert, self.w13_panels,
-            self.w2_panels, self.w13_onednn, self.w2_onednn, self.small_m, tokens_per_expert)
+            self.w2_panels, self.onednn("w13"), self.onednn("w2"), self.small_m, tokens_per_expert)
 
     def extra_repr(self) -> str:
         return f"small_m={self.small_m}, panels={self.w13_panels is not None}, onednn={self.onednn_experts > 0}"

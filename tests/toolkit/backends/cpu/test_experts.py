@@ -125,8 +125,8 @@ def test_the_experts_crossover_is_measured_on_their_shapes_cached_and_keeps_only
     layer = _experts(4, H, I, torch.float32, seed=2)
     assert cpu_experts.pack_experts(torch.nn.ModuleList([layer]), both) == (1, 16)
     packed = cpu_experts._PACKED[layer.w13.data_ptr()]
-    assert packed.w13_panels is not None and len(packed.w13_onednn) == 4
+    assert packed.w13_panels is not None and len(packed.onednn("w13")) == 4
     for small_m in (NEVER, 0):
         cpu_experts.pack_experts(torch.nn.ModuleList([layer]), both, small_m)
         packed = cpu_experts._PACKED[layer.w13.data_ptr()]
-        assert (packed.w13_panels is not None, bool(packed.w2_onednn)) == (small_m == NEVER, small_m == 0)
+        assert (packed.w13_panels is not None, bool(packed.onednn("w2"))) == (small_m == NEVER, small_m == 0)

@@ -5,6 +5,7 @@ keys, 1 values, and token slot s lives at block s // block_size, offset s % bloc
 """
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -30,10 +31,14 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
+    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer; `empty(shape,
+    dtype)`, where given, allocates each on the device (the CPU backend's puts them on huge pages)."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    if empty is None:
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    return [empty(shape, dtype).zero_() for _ in range(num_layers)]
 
 
 def available_memory_bytes(device: torch.device | str) -> int:

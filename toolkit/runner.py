@@ -76,7 +76,8 @@ class ModelRunner:
             num_blocks, config.block_size,
             kv_cache_bytes_per_token(self.num_layers, self.num_kv_heads, model_config.head_dim, config.dtype))
         self.kv_caches = allocate_kv_cache(self.num_layers, self.kv_spec.num_blocks, config.block_size,
-                                           self.num_kv_heads, model_config.head_dim, config.dtype, self.device)
+                                           self.num_kv_heads, model_config.head_dim, config.dtype, self.device,
+                                           empty=backend.empty_kv)
         if not config.enforce_eager:
             for cache in self.kv_caches:
                 # Static block, head and head_dim sizes let Inductor unroll those loops; the block count

@@ -5,6 +5,7 @@ The rest of the toolkit never branches on the device. It asks the backend:
 - `prepare_model(model, tp)`: the device's own post-load changes (CPU: the linears' weight layouts);
 - `compile_options()`: Inductor's options for the compiled step (CPU: its C++ wrapper);
 - `wrap_step(step)`: how decode steps are replayed (CUDA: CUDA graphs);
+- `empty_kv(shape, dtype)`: how a layer's KV cache is allocated (CPU: on transparent huge pages);
 - `stats()`: what it chose, for logs and `Engine.stats()`.
 
 `Backend` itself is the generic one: torch's own ops on any device torch runs on. The CPU backend
@@ -41,6 +42,9 @@ class Backend:
 
     def wrap_step(self, step):
         return step
+
+    def empty_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.config.device)
 
     def stats(self) -> dict:
         return {"backend": self.name, "attention": self.attention_backend()}

@@ -26,6 +26,7 @@ from toolkit.backends import Backend
 from toolkit.backends.cpu import attention_plan, kernels, vec_isa_probes
 from toolkit.backends.cpu.experts import describe as describe_experts
 from toolkit.backends.cpu.experts import pack_experts
+from toolkit.backends.cpu.huge_pages import empty_on_huge_pages
 from toolkit.backends.cpu.linear import (LinearPlan, layer_shapes, onednn_native, pack_int8_linears, pack_linears,
                                          plan_for)
 
@@ -122,6 +123,11 @@ class CPUBackend(Backend):
                                        mc.head_dim, self.config.block_size)
         self.prefill_attention = chosen
         return chosen
+
+    def empty_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # A decode step reads each sequence's blocks, a few KiB apart in a cache of gigabytes: with 4 KiB
+        # pages nearly every block read is a TLB miss (docs/benchmarks.md).
+        return empty_on_huge_pages(shape, dtype)
 
     def compile_options(self) -> dict:
         options = super().compile_options()

@@ -22,8 +22,6 @@ native units for it (otherwise the panel kernel serves every M).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import logging
 import math
@@ -35,6 +33,7 @@ from torch import nn
 
 from toolkit.backends.cpu import choices, kernels
 from toolkit.backends.cpu.choices import best_of_each, first_lasting_win
+from toolkit.backends.cpu.huge_pages import empty_on_huge_pages
 
 log = logging.getLogger("toolkit")
 
@@ -166,7 +165,7 @@ def pack(weight: torch.Tensor, arena: HugePageArena | None = None) -> torch.Tens
     given (pack_linears: one model's linears side by side on huge pages)."""
     *stack, n, k = weight.shape
     shape = panels_shape(weight.shape)
-    panels = arena.take(shape, weight.dtype) if arena is not None else _empty_on_huge_pages(shape, weight.dtype)
+    panels = arena.take(shape, weight.dtype) if arena is not None else empty_on_huge_pages(shape, weight.dtype)
     for w, p in zip(weight.reshape(-1, n, k), panels.view(-1, -(-n // PANEL), k, PANEL)):
         torch.ops.toolkit.pack_panels(w.contiguous(), p)
     return panels
@@ -272,26 +271,6 @@ def layer_shapes(model: nn.Module) -> list[tuple[int, int]]:
     return sorted(shapes)
 
 
-HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # Linux
-
-
-def _empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.empty, but starting on a 2 MiB boundary with its whole 2 MiB pages advised for transparent
-    huge pages (where the kernel allows them, as Debian's default "madvise" mode does). A decode step
-    streams every weight once: with 4 KiB pages that is a TLB miss every 4 KiB. Only pages wholly
-    inside the tensor are advised, so nothing past it becomes resident; the up to 2 MiB skipped before
-    it is address space, never touched."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    madvise = _madvise()
-    if nbytes < HUGE_PAGE or madvise is None:
-        return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    madvise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)  # a refusal only costs speed
-    return raw[start:start + nbytes].view(dtype).view(shape)
-
-
 class HugePageArena:
     """Room for the given tensors side by side, in one allocation advised for transparent huge pages.
 
@@ -306,7 +285,7 @@ class HugePageArena:
     def __init__(self, tensors: list[tuple[tuple[int, ...], torch.dtype]]):
         self.size = sum(self._room(shape, dtype) for shape, dtype in tensors)
         self.offset = 0
-        self.buffer = _empty_on_huge_pages((self.size,), torch.uint8) if self.size else None
+        self.buffer = empty_on_huge_pages((self.size,), torch.uint8) if self.size else None
 
     def _room(self, shape, dtype) -> int:
         return -(-math.prod(shape) * dtype.itemsize // self.ALIGN) * self.ALIGN
@@ -314,18 +293,10 @@ class HugePageArena:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         room = self._room(shape, dtype)
         if self.buffer is None or self.offset + room > self.size:
-            return _empty_on_huge_pages(shape, dtype)
+            return empty_on_huge_pages(shape, dtype)
         view = self.buffer[self.offset:self.offset + math.prod(shape) * dtype.itemsize]
         self.offset += room
         return view.view(dtype).view(shape)
 
 
-@functools.cache
-def _madvise():
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise
 

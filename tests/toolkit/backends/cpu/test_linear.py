@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from toolkit.backends.cpu import kernels, linear
+from toolkit.backends.cpu.huge_pages import HUGE_PAGE
 from toolkit.backends.cpu.linear import NEVER, CPULinear, LinearPlan, pack_linears, plan_for
 
 PANELS = LinearPlan(panels=True, onednn=False, small_m=NEVER, source="test")
@@ -122,8 +123,8 @@ def test_panels_of_2_mib_and_more_start_on_a_huge_page_and_compute_alike():
     # huge pages depends on its THP setting, so only the layout is checked, and the result.)
     lin = _linear(4100, 300, True, seed=7)
     packed = CPULinear(lin, PANELS)
-    assert packed.panels.nbytes >= 2 * linear.HUGE_PAGE and packed.panels.is_contiguous()
-    assert packed.panels.data_ptr() % linear.HUGE_PAGE == 0
+    assert packed.panels.nbytes >= 2 * HUGE_PAGE and packed.panels.is_contiguous()
+    assert packed.panels.data_ptr() % HUGE_PAGE == 0
     x = torch.randn(3, 300)
     torch.testing.assert_close(packed(x).double(), _reference(x, lin), atol=1e-4 * 300**0.5, rtol=1e-5)
     small = CPULinear(torch.nn.Linear(64, 64), PANELS)  # below a page: a plain allocation
@@ -288,7 +289,7 @@ def test_pack_linears_lays_a_models_panels_side_by_side_on_huge_pages():
     assert pack_linears(model, PANELS) == 4
     spans = sorted((m.panels.data_ptr(), m.panels.data_ptr() + m.panels.nbytes) for m in model)
     base = spans[0][0]
-    assert base % linear.HUGE_PAGE == 0
+    assert base % HUGE_PAGE == 0
     assert len({m.panels.untyped_storage().data_ptr() for m in model}) == 1
     assert all(start % 64 == 0 for start, _ in spans)
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))

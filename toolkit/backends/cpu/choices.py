@@ -44,6 +44,23 @@ def first_lasting_win(wins: Sequence[bool]) -> int | None:
     return None
 
 
+def crossover(candidates: Sequence[int], timings: Callable[[int], tuple[float, float]], margin: float, what: str,
+              never: int) -> int:
+    """The largest candidate row count up to which the panels are not beaten by oneDNN (by `margin`) at
+    two candidates in a row, `timings(m)` giving (panel seconds, oneDNN seconds); 0 when oneDNN wins from
+    the first candidate on, `never` when it never does. Beyond where oneDNN starts winning the matmuls
+    only grow more compute-bound, so measuring stops at its second win in a row."""
+    wins = []
+    for m in candidates:
+        panel_s, onednn_s = timings(m)
+        wins.append(onednn_s < margin * panel_s)
+        log.debug("%s at M=%d: panel %.3f ms, oneDNN %.3f ms", what, m, panel_s * 1e3, onednn_s * 1e3)
+        if wins[-2:] == [True, True]:
+            break
+    i = first_lasting_win(wins)
+    return never if i is None else 0 if i == 0 else candidates[i - 1]
+
+
 def key(*parts: object) -> str:
     """A choice's key: the machine (CPU flags, torch, threads) and the caller's parts (what was measured,
     the candidates, the result's fields), so that any of them changed, the choice is measured again."""

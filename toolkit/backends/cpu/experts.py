@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from toolkit.backends.cpu import choices, kernels
-from toolkit.backends.cpu.choices import best_of_each, first_lasting_win
+from toolkit.backends.cpu.choices import best_of_each
 from toolkit.backends.cpu.linear import CANDIDATE_M, MARGIN, NEVER, ONEDNN_BATCH_HINT, LinearPlan, pack
 from toolkit.moe.ops import moe_experts_torch, register_impl
 
@@ -108,20 +108,15 @@ def _measure_small_m(dtype: torch.dtype, hidden: int, intermediate: int) -> int:
     w2 = (torch.randn(2, hidden, intermediate, generator=generator) * 0.02).to(dtype)
     layouts = (pack(w13), pack(w2), [_onednn(w) for w in w13], [_onednn(w) for w in w2])
     op = torch.ops.toolkit.experts_cpu.default
-    wins = []
+
+    def timings(m: int) -> tuple[float, float]:
+        x = torch.randn(m, hidden, generator=generator).to(dtype)
+        ids = torch.tensor([[0, 1]]).expand(m, 2).contiguous()
+        weights = torch.full((m, 2), 0.5)
+        return best_of_each(lambda use_panels: op(x, weights, ids, 0, *layouts, NEVER if use_panels else 0))
+
     with torch.inference_mode():
-        for m in CANDIDATE_M:
-            x = torch.randn(m, hidden, generator=generator).to(dtype)
-            ids = torch.tensor([[0, 1]]).expand(m, 2).contiguous()
-            weights = torch.full((m, 2), 0.5)
-            panel_s, onednn_s = best_of_each(lambda use_panels: op(x, weights, ids, 0, *layouts,
-                                                                   NEVER if use_panels else 0))
-            wins.append(onednn_s < MARGIN * panel_s)
-            log.debug("experts at M=%d: panel %.3f ms, oneDNN %.3f ms", m, panel_s * 1e3, onednn_s * 1e3)
-            if wins[-2:] == [True, True]:
-                break
-    i = first_lasting_win(wins)
-    return NEVER if i is None else 0 if i == 0 else CANDIDATE_M[i - 1]
+        return choices.crossover(CANDIDATE_M, timings, MARGIN, "experts", NEVER)
 
 
 def describe(small_m: int) -> str:

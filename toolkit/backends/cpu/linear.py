@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from toolkit.backends.cpu import choices, kernels
-from toolkit.backends.cpu.choices import best_of_each, first_lasting_win
+from toolkit.backends.cpu.choices import best_of_each
 from toolkit.backends.cpu.huge_pages import empty_on_huge_pages
 
 log = logging.getLogger("toolkit")
@@ -132,23 +132,18 @@ def _measure_small_m(dtype: torch.dtype, shapes: list[tuple[int, int]], x_dtype:
     panels = [pack(w) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT) for w in weights]
     op = torch.ops.toolkit.linear_cpu.default
-    wins = []
+
+    def timings(m: int) -> tuple[float, float]:
+        xs = [torch.randn(m, k, generator=generator).to(x_dtype or dtype) for _, k in shapes]
+
+        def run(use_panels):
+            for x, p, o, (n, _) in zip(xs, panels, onednn, shapes):
+                op(x, p, o, None, n, NEVER if use_panels else 0)
+
+        return best_of_each(run)
+
     with torch.inference_mode():
-        for m in CANDIDATE_M:
-            xs = [torch.randn(m, k, generator=generator).to(x_dtype or dtype) for _, k in shapes]
-
-            def run(use_panels):
-                for x, p, o, (n, _) in zip(xs, panels, onednn, shapes):
-                    op(x, p, o, None, n, NEVER if use_panels else 0)
-
-            panel_s, onednn_s = best_of_each(run)
-            wins.append(onednn_s < MARGIN * panel_s)
-            log.debug("linear at M=%d: panel %.3f ms, oneDNN %.3f ms", m, panel_s * 1e3, onednn_s * 1e3)
-            if wins[-2:] == [True, True]:
-                break
-    # Beyond where oneDNN starts winning the matmuls only grow more compute-bound: oneDNN keeps the rest.
-    i = first_lasting_win(wins)
-    return NEVER if i is None else 0 if i == 0 else CANDIDATE_M[i - 1]
+        return choices.crossover(CANDIDATE_M, timings, MARGIN, "linear", NEVER)
 
 
 # --- the module ----------------------------------------------------------------------------------

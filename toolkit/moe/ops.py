@@ -83,7 +83,9 @@ def count_tokens(tokens_per_expert: torch.Tensor, topk_ids: torch.Tensor, first_
 def register_impl(device_type: str, impl: ExpertsImpl | None, replace: bool = True) -> None:
     """Use `impl` (the reference's signature and contract) for inputs on `device_type` ("cpu", "cuda");
     None restores the default (CUDA: the Triton kernel; elsewhere the torch reference). A device
-    backend registers its own with replace=False, so an implementation the user plugged in wins."""
+    backend registers its own with replace=False, so an implementation the user plugged in wins. On
+    CPU, register before the engine is built: where the CPU kernel is the implementation then, the
+    layers call it straight, past this registry (toolkit/backends/cpu/experts.py)."""
     if impl is None:
         _IMPLS.pop(device_type, None)
     elif replace or device_type not in _IMPLS:

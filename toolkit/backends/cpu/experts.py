@@ -15,7 +15,7 @@ an expert ran there at half oneDNN's rate where the dense linears' crossover lay
 (docs/benchmarks.md). Only the layouts that crossover uses are kept.
 
 Each layer's layouts live in a `PackedExperts`, which becomes the layer's dispatcher where no
-parallelism set one: the step calls the kernel straight. Expert and tensor parallelism's dispatchers
+parallelism set one and no other CPU implementation was registered: the step calls the kernel straight. Expert and tensor parallelism's dispatchers
 call `toolkit::moe_experts` with the stacked `Experts.w13` / `w2` (toolkit/moe/ops.py's contract,
 which the reference shares), so its CPU implementation here finds the layouts by the data pointer of
 `w13`; an entry lives as long as that parameter does. Experts never packed run the reference.
@@ -32,7 +32,7 @@ from torch import nn
 from toolkit.backends.cpu import choices, kernels
 from toolkit.backends.cpu.choices import best_of_each
 from toolkit.backends.cpu.linear import CANDIDATE_M, MARGIN, NEVER, ONEDNN_BATCH_HINT, LinearPlan, pack
-from toolkit.moe.ops import moe_experts_torch, register_impl
+from toolkit.moe.ops import impl_for, moe_experts_torch, register_impl
 
 log = logging.getLogger("toolkit")
 
@@ -141,14 +141,17 @@ def pack_experts(model: nn.Module, plan: LinearPlan, small_m: int | None = None)
         _, hidden, intermediate = layers[0].w2.shape
         small_m, source = choose_small_m(plan, layers[0].w13.dtype, hidden, intermediate)
         log.info("CPU experts: %s (%s)", describe(small_m), source)
+    register_impl("cpu", moe_experts_cpu, replace=False)
+    # An implementation the user registered for CPU (toolkit.moe.register_impl) wins: the layers then
+    # keep calling the op, which runs it.
+    direct = impl_for(torch.device("cpu")) is moe_experts_cpu
     for experts in layers:
         packed = PackedExperts(experts.w13.detach(), experts.w2.detach(), small_m)
         key = experts.w13.data_ptr()
         _PACKED[key] = packed
         weakref.finalize(experts.w13, _PACKED.pop, key, None)
-        if experts.dispatcher is None or isinstance(experts.dispatcher, PackedExperts):
+        if direct and (experts.dispatcher is None or isinstance(experts.dispatcher, PackedExperts)):
             experts.dispatcher = packed
-    register_impl("cpu", moe_experts_cpu, replace=False)
     return len(layers), small_m
 
 

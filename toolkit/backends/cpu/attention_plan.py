@@ -94,27 +94,24 @@ def _measure(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     op = torch.ops.toolkit.paged_attention_cpu.default
-    wins = []
-    with torch.inference_mode():
-        for n in CANDIDATE_TOKENS:
-            lens = [n, n, n + PREFIX, n + PREFIX]
-            per = [-(-length // block_size) for length in lens]
-            cache = torch.randn(2, sum(per) + 1, block_size, kv_heads, head_dim, generator=generator).to(dtype)
-            ids = torch.randperm(sum(per), generator=generator).to(torch.int32) + 1
-            tables = torch.zeros(len(lens), max(per), dtype=torch.int32)
-            for r, row in enumerate(ids.split(per)):
-                tables[r, :len(row)] = row
-            q = torch.randn(4 * n, heads, head_dim, generator=generator).to(dtype)
-            qsl = torch.arange(0, 4 * n + 1, n, dtype=torch.int32)
-            seq_lens = torch.tensor(lens, dtype=torch.int32)
-            tiles_s, flash_s = choices.best_of_each(
-                lambda tiles: op(q, cache, qsl, seq_lens, tables, head_dim ** -0.5, 0 if tiles else n), reps=3)
-            wins.append(flash_s < MARGIN * tiles_s)
-            log.debug("prefill attention, %d-token chunks: tiles %.3f ms, flash %.3f ms", n, tiles_s * 1e3,
-                      flash_s * 1e3)
-            if wins[-2:] == [True, True]:
-                break
+
+    def timings(n: int) -> tuple[float, float]:
+        lens = [n, n, n + PREFIX, n + PREFIX]
+        per = [-(-length // block_size) for length in lens]
+        cache = torch.randn(2, sum(per) + 1, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+        ids = torch.randperm(sum(per), generator=generator).to(torch.int32) + 1
+        tables = torch.zeros(len(lens), max(per), dtype=torch.int32)
+        for r, row in enumerate(ids.split(per)):
+            tables[r, :len(row)] = row
+        q = torch.randn(4 * n, heads, head_dim, generator=generator).to(dtype)
+        qsl = torch.arange(0, 4 * n + 1, n, dtype=torch.int32)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        return choices.best_of_each(
+            lambda tiles: op(q, cache, qsl, seq_lens, tables, head_dim ** -0.5, 0 if tiles else n), reps=3)
+
     # Longer chunks only grow more GEMM-shaped: from the first lasting win on, flash keeps them.
-    i = choices.first_lasting_win(wins)
+    with torch.inference_mode():
+        i = choices.first_lasting_win_measured(CANDIDATE_TOKENS, timings, MARGIN,
+                                               "prefill attention, chunk tokens (tiles, flash)")
     log.info("measured the CPU prefill attention on the model's head shape in %.1f s", time.perf_counter() - start)
     return 0 if i is None else CANDIDATE_TOKENS[i]

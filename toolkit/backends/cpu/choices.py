@@ -44,20 +44,27 @@ def first_lasting_win(wins: Sequence[bool]) -> int | None:
     return None
 
 
+def first_lasting_win_measured(candidates: Sequence[int], timings: Callable[[int], tuple[float, float]],
+                               margin: float, what: str) -> int | None:
+    """Time both implementations at each candidate in turn (`timings(n)` -> (the incumbent's seconds,
+    the challenger's)) until the challenger wins (by `margin`) twice in a row: past that the work only
+    grows more compute-bound, where it keeps winning. Returns `first_lasting_win` of the readings."""
+    wins = []
+    for n in candidates:
+        incumbent_s, challenger_s = timings(n)
+        wins.append(challenger_s < margin * incumbent_s)
+        log.debug("%s at %d: %.3f ms against %.3f ms", what, n, incumbent_s * 1e3, challenger_s * 1e3)
+        if wins[-2:] == [True, True]:
+            break
+    return first_lasting_win(wins)
+
+
 def crossover(candidates: Sequence[int], timings: Callable[[int], tuple[float, float]], margin: float, what: str,
               never: int) -> int:
     """The largest candidate row count up to which the panels are not beaten by oneDNN (by `margin`) at
     two candidates in a row, `timings(m)` giving (panel seconds, oneDNN seconds); 0 when oneDNN wins from
-    the first candidate on, `never` when it never does. Beyond where oneDNN starts winning the matmuls
-    only grow more compute-bound, so measuring stops at its second win in a row."""
-    wins = []
-    for m in candidates:
-        panel_s, onednn_s = timings(m)
-        wins.append(onednn_s < margin * panel_s)
-        log.debug("%s at M=%d: panel %.3f ms, oneDNN %.3f ms", what, m, panel_s * 1e3, onednn_s * 1e3)
-        if wins[-2:] == [True, True]:
-            break
-    i = first_lasting_win(wins)
+    the first candidate on, `never` when it never does."""
+    i = first_lasting_win_measured(candidates, timings, margin, f"{what} (panel, oneDNN)")
     return never if i is None else 0 if i == 0 else candidates[i - 1]
 
 

@@ -62,7 +62,7 @@ def test_few_rows_against_groups_of_panels_match_float64_for_every_weight_layout
     """Fewer rows than a tile (a decode step's, a verify step's) stream several panels at once per
     thread (8 for 1-2 rows, 4 for 3-6, 2 for 7), then the rest one by one: 30 panels, the last of 5
     columns, give groups and leftovers under one thread and two, for float32 panels,
-    bf16 panels under float32 x (the lm_head's float32 logits: paired k on AMX hosts), fp16 panels,
+    bf16 panels under float32 x (the lm_head's float32 logits: paired k on AVX-512 BF16 hosts), fp16 panels,
     and int8 panels (weight-only int8) with their scales; odd K leaves a k past the pairs."""
     from toolkit.backends.cpu.linear import CPUInt8Linear
     from toolkit.models.logits import Float32Logits
@@ -137,7 +137,10 @@ HALVES = [torch.bfloat16, torch.float16]
 # On AMX CPUs bf16 runs through the tiles in blocks of 32 k, 32 rows and two panels: K = 300 leaves
 # an even tail of k, K = 97 an odd one (its last k unpaired); N = 70 an odd panel count; m = 17 and 40
 # a part-filled second half of rows; the x of m = 7 is read with a row stride past K.
-# (469, 129): 30 panels, the last of 5 columns, in groups of up to four per thread (AMX's few-row path)
+# (469, 129): 30 panels, the last of 5 columns, in groups of up to four per thread (AMX's few-row path).
+# On AVX-512 BF16 without AMX (Zen 4) bf16 runs the dot products over pairs of k (dp_linear): the same
+# shapes give it an odd K's unpaired k, an odd panel count (a single panel after the pairs), m = 1, 2
+# and 7 its few-row groups of 8, 8 and 2 panels, m = 17 and 40 8-row tiles with and without a tail.
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("n,k", [(70, 300), (33, 97), (469, 129)])
 def test_half_weights_and_activations(dtype, n, k):

@@ -5,9 +5,10 @@
 // columns for one k are one 64-byte (fp32) or 32-byte (bf16, fp16) run and a panel is read front to
 // back. In a bf16 panel, 32-bit lane j holds column j in its low half and column j + 8 in its high
 // half, so one load gives both vectors: a shift widens the low halves, a mask the high ones. Where the
-// CPU has AMX (AMX_PANELS), a bf16 panel instead holds k in pairs: 64 bytes per pair of k, lane j =
-// column j at k (low half) and at k + 1 (high half), the order AMX's tiles take (amx_rows), and an odd
-// K's last k in plain order (panel_offset). fp16 panels keep the plain order: F16C's vcvtph2ps
+// CPU has AVX-512 BF16 (PAIRED_BF16: Zen 4, every AMX Xeon), a bf16 panel instead holds k in pairs: 64
+// bytes per pair of k, lane j = column j at k (low half) and at k + 1 (high half), the order that
+// vdpbf16ps (dp_linear) and AMX's tiles (amx_rows) take, and an odd K's last k in plain order
+// (panel_offset). fp16 panels keep the plain order: F16C's vcvtph2ps
 // widens 8 halves at once. x and out share W's dtype
 // (x is widened once per call, out rounded to nearest even on store), or, with half weights, both are
 // float32: the lm_head's float32 logits (toolkit/models/logits.py), computed in float32 by the panel
@@ -52,11 +53,17 @@ constexpr int64_t MC = 192;  // rows per pass over W: their x (<= 1.5 MB at K = 
 // AMX tiles (the tile path below lives beside the AVX-512 FMA path, which reads the same layout).
 #if defined(__AMX_BF16__) && defined(__AVX512F__)
 #define AMX_PANELS 1
-#define PAIRED_BF16 1
 #else
 #define AMX_PANELS 0
+#endif
+// Paired bf16 panels wherever AVX-512 BF16's dot product exists (Zen 4, and every AMX Xeon): the layout
+// its pairs of k take, as AMX's tiles do (dp_linear; AMX's where the tiles are granted).
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PAIRED_BF16 1
+#else
 #define PAIRED_BF16 0
 #endif
+constexpr int AMX_K = 32;  // k per AMX B tile (16 pairs); below it the dot-product paths leave K to the FMAs
 
 // Whether panels of W hold k in pairs (the layout above).
 template <typename W>
@@ -311,7 +318,6 @@ void few_rows(const float* x, int64_t x_stride, const W* panels, const B* bias, 
 // streams the weights at memory speed where the FMA path is compute-bound from a few rows on. The
 // products of bf16 values are exact in float32; AMX treats float32 subnormals as zero (a K below 32,
 // or the k past the last whole block of 32, takes the FMA path and rounds as torch does).
-constexpr int AMX_K = 32;  // k per B tile: 16 pairs
 
 // The tiles for up to 32 rows of x (two halves h of up to 16) times two panels q: C (tile 2q + h: rows
 // x 16 float32), A_h (tile 4 + h: rows x 32 bf16) and B_q (tile 6 + q: 16 pairs x 16 columns), all 8.
@@ -574,6 +580,115 @@ void linear(const float* x, int64_t x_stride, const W* panels, const B* bias, co
     }
 }
 
+#if PAIRED_BF16
+// bf16 x over paired bf16 panels with AVX-512 BF16's dot product (no AMX, or its tiles not granted):
+// one vdpbf16ps adds a pair of k's products for 16 columns and one row, with nothing widened; a row's
+// pair of x values is one 32-bit broadcast. Twice the products of a float32 FMA per instruction, which
+// matters where rows make the panels compute-bound (a verify step, a decode batch below oneDNN's
+// crossover). Each product of bf16 values is exact in float32; the instruction adds a pair's two in
+// float32, flushing subnormals to zero as AMX does. Q panels by R rows of accumulators; an odd K's last
+// k (plain order) is widened.
+template <int Q, int R, typename B, typename O>
+void dp_tile(const uint16_t* __restrict x, int64_t x_stride, const uint16_t* __restrict panel, int64_t K,
+             const B* __restrict bias, O* __restrict out, int64_t out_stride, int cols) {
+    vec16 acc[Q][1][R] = {};
+    const int64_t pairs_end = K & ~int64_t(1);
+    for (int64_t k = 0; k < pairs_end; k += 2)
+        for (int q = 0; q < Q; ++q) {
+            const __m512i w = _mm512_loadu_si512(panel + q * K * NR + k * NR);
+            for (int r = 0; r < R; ++r) {
+                uint32_t pair;
+                std::memcpy(&pair, x + r * x_stride + k, sizeof pair);
+                acc[q][0][r] = as_vec16(_mm512_dpbf16_ps(__m512(acc[q][0][r]), __m512bh(w),
+                                                         __m512bh(_mm512_set1_epi32(int32_t(pair)))));
+            }
+        }
+    if (pairs_end < K)
+        for (int q = 0; q < Q; ++q) {
+            const vec16 w = widen16(panel + q * K * NR + pairs_end * NR);
+            for (int r = 0; r < R; ++r) acc[q][0][r] += broadcast(to_float(x[r * x_stride + pairs_end])) * w;
+        }
+    for (int q = 0; q < Q; ++q)
+        store<R, 1, uint16_t>(acc[q], bias ? bias + q * NR : nullptr, nullptr, out + q * NR, out_stride,
+                              q + 1 == Q ? cols : NR);
+}
+
+// Fewer than MR rows: each thread an even share of the panels, Q at a time (as few_rows), then the rest
+// one by one.
+template <int R, typename B, typename O>
+void dp_few(const uint16_t* x, int64_t x_stride, const uint16_t* panels, const B* bias, O* out, int64_t N,
+            int64_t K) {
+    constexpr int Q = R <= 2 ? 8 : R <= 6 ? 4 : 2;
+    const int64_t P = (N + NR - 1) / NR;
+#pragma omp parallel if (P > 1)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), end = P * (t + 1) / threads;
+        int64_t p = P * t / threads;
+        for (; p + Q <= end; p += Q)
+            dp_tile<Q, R>(x, x_stride, panels + p * K * NR, K, bias ? bias + p * NR : nullptr, out + p * NR, N,
+                          int(std::min<int64_t>(NR, N - (p + Q - 1) * NR)));
+        for (; p < end; ++p)
+            dp_tile<1, R>(x, x_stride, panels + p * K * NR, K, bias ? bias + p * NR : nullptr, out + p * NR, N,
+                          int(std::min<int64_t>(NR, N - p * NR)));
+    }
+}
+
+// Q panels by the last rows of a sweep (fewer than MR).
+template <int Q, typename B, typename O>
+void dp_tail(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t K, const B* bias, O* out,
+             int64_t out_stride, int64_t rows, int cols) {
+    switch (rows) {
+        case 1: return dp_tile<Q, 1>(x, x_stride, panel, K, bias, out, out_stride, cols);
+        case 2: return dp_tile<Q, 2>(x, x_stride, panel, K, bias, out, out_stride, cols);
+        case 3: return dp_tile<Q, 3>(x, x_stride, panel, K, bias, out, out_stride, cols);
+        case 4: return dp_tile<Q, 4>(x, x_stride, panel, K, bias, out, out_stride, cols);
+        case 5: return dp_tile<Q, 5>(x, x_stride, panel, K, bias, out, out_stride, cols);
+        case 6: return dp_tile<Q, 6>(x, x_stride, panel, K, bias, out, out_stride, cols);
+        default: return dp_tile<Q, 7>(x, x_stride, panel, K, bias, out, out_stride, cols);
+    }
+}
+
+// Q panels swept by MR rows at a time, then the rows left.
+template <int Q, typename B, typename O>
+void dp_sweep(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t K, const B* bias, O* out,
+              int64_t out_stride, int64_t rows, int cols) {
+    int64_t m = 0;
+    for (; m + MR <= rows; m += MR)
+        dp_tile<Q, MR>(x + m * x_stride, x_stride, panel, K, bias, out + m * out_stride, out_stride, cols);
+    if (m < rows) dp_tail<Q>(x + m * x_stride, x_stride, panel, K, bias, out + m * out_stride, out_stride, rows - m, cols);
+}
+
+// bf16 x over paired panels: few rows as few_rows splits them; more, threads split the panels two at a
+// time, each pair swept by MR rows (x's MC rows stay in L2 while the pair streams once).
+template <typename B, typename O>
+void dp_linear(const uint16_t* x, int64_t x_stride, const uint16_t* panels, const B* bias, O* out, int64_t M,
+               int64_t N, int64_t K) {
+    switch (M) {
+        case 1: return dp_few<1>(x, x_stride, panels, bias, out, N, K);
+        case 2: return dp_few<2>(x, x_stride, panels, bias, out, N, K);
+        case 3: return dp_few<3>(x, x_stride, panels, bias, out, N, K);
+        case 4: return dp_few<4>(x, x_stride, panels, bias, out, N, K);
+        case 5: return dp_few<5>(x, x_stride, panels, bias, out, N, K);
+        case 6: return dp_few<6>(x, x_stride, panels, bias, out, N, K);
+        case 7: return dp_few<7>(x, x_stride, panels, bias, out, N, K);
+    }
+    const int64_t P = (N + NR - 1) / NR;
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t rows = std::min(MC, M - m0);
+#pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < P; p += 2) {
+            const uint16_t* xm = x + m0 * x_stride;
+            const B* b = bias ? bias + p * NR : nullptr;
+            O* o = out + m0 * N + p * NR;
+            if (p + 2 <= P)
+                dp_sweep<2>(xm, x_stride, panels + p * K * NR, K, b, o, N, rows, int(std::min<int64_t>(NR, N - (p + 1) * NR)));
+            else
+                dp_sweep<1>(xm, x_stride, panels + p * K * NR, K, b, o, N, rows, int(std::min<int64_t>(NR, N - p * NR)));
+        }
+    }
+}
+#endif
+
 #if AMX_PANELS
 // bf16 x over paired panels through the tiles: threads split the panels two at a time.
 template <typename B, typename O>
@@ -626,11 +741,14 @@ void panel_linear(const void* x, int64_t x_stride, const W* panels, const B* bia
         linear(static_cast<const float*>(x), x_stride, panels, bias, scale, out, M, N, K);
         return;
     }
-#if AMX_PANELS
+#if PAIRED_BF16
     if constexpr (paired<W>() && std::is_same<X, uint16_t>::value)
-        if (amx_ready() && !scale) {
-            linear_amx(static_cast<const uint16_t*>(x), x_stride, panels, bias, out, M, N, K);
-            return;
+        if (!scale) {
+#if AMX_PANELS
+            if (amx_ready()) return linear_amx(static_cast<const uint16_t*>(x), x_stride, panels, bias, out, M, N, K);
+#endif
+            // As on AMX, a K below 32 takes the FMA path, which rounds subnormals as torch does.
+            if (K >= AMX_K) return dp_linear(static_cast<const uint16_t*>(x), x_stride, panels, bias, out, M, N, K);
         }
 #endif
     std::unique_ptr<float[]> wide(new float[M * K]);  // every element is written

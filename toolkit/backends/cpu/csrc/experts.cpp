@@ -54,7 +54,7 @@ void panel_matmuls(const std::vector<int64_t>& experts, const std::vector<int64_
                    int64_t K) {
     const int64_t P = (N + NR - 1) / NR;
 #if AMX_PANELS
-    if constexpr (std::is_same<XT, uint16_t>::value) {
+    if constexpr (std::is_same<XT, uint16_t>::value) if (amx_ready()) {
         const int64_t quads = (P + 3) / 4, tasks = int64_t(experts.size()) * quads;
 #pragma omp parallel
         {
@@ -76,9 +76,28 @@ void panel_matmuls(const std::vector<int64_t>& experts, const std::vector<int64_
                                (const float*)nullptr, out + row0[i] * N, N, rows[i]);
             }
         }
-    } else
+        return;
+    }
 #endif
-    {
+#if PAIRED_BF16
+    if constexpr (std::is_same<XT, uint16_t>::value) {  // AVX-512 BF16's dot products, two panels a task
+        const int64_t pairs = (P + 1) / 2, tasks = int64_t(experts.size()) * pairs;
+#pragma omp parallel for schedule(dynamic, 2)
+        for (int64_t t = 0; t < tasks; ++t) {
+            const int64_t i = t / pairs, p = 2 * (t % pairs);
+            const uint16_t* w = panels + (experts[i] * P + p) * K * NR;
+            float* o = out + row0[i] * N + p * NR;
+            if (p + 2 <= P)
+                dp_sweep<2>(x + row0[i] * K, K, w, K, (const float*)nullptr, o, N, rows[i],
+                            int(std::min<int64_t>(NR, N - (p + 1) * NR)));
+            else
+                dp_sweep<1>(x + row0[i] * K, K, w, K, (const float*)nullptr, o, N, rows[i],
+                            int(std::min<int64_t>(NR, N - p * NR)));
+        }
+        return;
+    }
+#endif
+    if constexpr (std::is_same<XT, float>::value) {
         const int64_t tasks = int64_t(experts.size()) * P;
 #pragma omp parallel for schedule(dynamic, 4)
         for (int64_t t = 0; t < tasks; ++t) {
@@ -105,8 +124,8 @@ void weighted_add(float* out32, const Y* y, const int64_t* pair, int64_t n, cons
 }
 
 // The experts listed, through the panels, with their rows of x and the activation held as XT: float32,
-// or bf16 where the panels run on AMX (which takes bf16 rows; the activation is rounded to bf16 there,
-// as the reference rounds it).
+// or bf16 where the panels run on AMX or AVX-512 BF16's dot products (which take bf16 rows; the
+// activation is rounded to bf16 there, as the reference rounds it).
 template <typename XT, typename X>
 void panel_experts_as(const X* x, const Groups& g, const std::vector<int64_t>& experts, const X* w13, const X* w2,
                       const float* topk_weights, int64_t k, int64_t H, int64_t I, float* out32) {
@@ -133,9 +152,12 @@ void panel_experts_as(const X* x, const Groups& g, const std::vector<int64_t>& e
 template <typename X>
 void panel_experts(const X* x, const Groups& g, const std::vector<int64_t>& experts, const X* w13, const X* w2,
                    const float* topk_weights, int64_t k, int64_t H, int64_t I, float* out32) {
-#if AMX_PANELS
+#if PAIRED_BF16
+    // bf16 rows through AMX's tiles where granted, else AVX-512 BF16's dot products, which flush
+    // subnormals: below K = 32 the float32 FMAs keep torch's rounding.
     if constexpr (paired<X>())
-        if (amx_ready()) return panel_experts_as<uint16_t>(x, g, experts, w13, w2, topk_weights, k, H, I, out32);
+        if (amx_ready() || (H >= AMX_K && I >= AMX_K))
+            return panel_experts_as<uint16_t>(x, g, experts, w13, w2, topk_weights, k, H, I, out32);
 #endif
     panel_experts_as<float>(x, g, experts, w13, w2, topk_weights, k, H, I, out32);
 }

@@ -10,9 +10,10 @@
 // and a call per expert from Python costs more than the stream (a dozen ops per expert and layer).
 // Here the grouping, both matmuls, the activation and the weighted sum are one call: the experts with
 // at most small_m rows (or all, without oneDNN weights) run the panel kernel together, both threads
-// splitting every such expert's panels in one parallel loop per matmul, in float32 from the gathered
-// rows to the weighted sum; an expert with more rows (a prefill's) is compute-bound and runs oneDNN's
-// native units on its own rows, in x's dtype as its matmuls in the reference.
+// splitting every such expert's panels in one parallel loop per matmul, float32 sums from the gathered
+// rows to the weighted sum (the rows and the activation in bf16 where AMX's tiles or AVX-512 BF16's
+// dot products take them, float32 otherwise); an expert with more rows (a prefill's) is compute-bound
+// and runs oneDNN's native units on its own rows, in x's dtype as its matmuls in the reference.
 
 #include "panel_kernel.h"
 

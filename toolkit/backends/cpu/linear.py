@@ -55,7 +55,8 @@ INT8_SMALL_M = 48
 class LinearPlan:
     """What every linear of a model uses: small_m as in the op; panels and/or a oneDNN weight.
     `float32_small_m` is small_m for float32 x over half weights (the float32 logits), where it was
-    measured apart: on AMX the panel kernel runs half x through the tiles, which float32 x cannot use."""
+    measured apart: the panel kernel runs half x on the bf16 units (AMX's tiles, AVX-512 BF16's dot
+    products) and float32 x on FMAs, until x is rounded for them (linear.cpp, float32_io_paired)."""
 
     panels: bool
     onednn: bool
@@ -64,12 +65,12 @@ class LinearPlan:
     float32_small_m: int | None = None  # None: small_m
 
     def describe(self) -> str:
-        if not self.onednn:
-            return "the panel kernel for every row count"
-        if not self.panels:
-            return "oneDNN for every row count"
         logits = "" if self.float32_small_m in (None, self.small_m) else \
             f" (float32 x: up to {self.float32_small_m})"
+        if not self.onednn:
+            return f"the panel kernel for every row count{logits}"
+        if not self.panels:
+            return "oneDNN for every row count"
         return f"the panel kernel for up to {self.small_m} rows{logits}, oneDNN above"
 
 
@@ -112,9 +113,11 @@ def choose(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> LinearPlan:
     def measure() -> dict:
         start = time.perf_counter()
         small_m = _measure_small_m(dtype, shapes)
-        # Float32 x over half panels takes the FMA path, not AMX's tiles: its crossover is its own.
+        # Float32 x over half panels takes the FMA path up to its crossover, the bf16 units above it (x
+        # rounded, the near-top entries recomputed): AMX's tiles, AVX-512 BF16's dot products (which need
+        # no oneDNN weight, hence measured for "never" too) or oneDNN.
         float32_small_m = _measure_small_m(dtype, shapes, torch.float32) \
-            if dtype != torch.float32 and 0 < small_m < NEVER else None
+            if 0 < small_m and (small_m < NEVER and dtype != torch.float32 or dtype == torch.bfloat16) else None
         log.info("measured the CPU linear kernels on the model's shapes in %.1f s", time.perf_counter() - start)
         return {"panels": small_m > 0, "onednn": small_m < NEVER, "small_m": small_m,
                 "float32_small_m": None if float32_small_m == small_m else float32_small_m}

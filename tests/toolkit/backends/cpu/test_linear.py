@@ -163,7 +163,9 @@ def test_half_weights_and_activations(dtype, n, k):
 def test_float32_logits_over_bf16_weights_are_float32_where_they_compete():
     """A Float32Logits module (the lm_head): float32 x in, float32 logits out over bf16 weights. Up to
     small_m rows the panel kernel computes every entry in float32; above, a bf16 matmul of x rounded to
-    bf16 (AMX's tiles up to 32 rows where the CPU has them, oneDNN otherwise) with each row's entries near
+    bf16 (AMX's tiles up to 32 rows where the CPU has them, AVX-512 BF16's dot products at any row count
+    where it has only those, oneDNN otherwise, or the float32 path where the layer has no oneDNN weight
+    and the CPU neither) with each row's entries near
     its maximum (within 1/32 of it, + 0.05) recomputed in float32, so a near-tie that
     bf16 rounding would turn into a tie (two logits ~24 apart from zero, ~0.01 from each other: a bf16
     step there is 0.125) resolves as float32 does at every row count, and the rest are within bf16's
@@ -182,9 +184,17 @@ def test_float32_logits_over_bf16_weights_are_float32_where_they_compete():
         bumped[j] = (row[j:j + 1].view(torch.int16) + 2).view(torch.bfloat16)[0]  # larger, of x0[j]'s sign
         head.weight[a], head.weight[b] = row.float(), bumped.float()
     head = head.to(torch.bfloat16)
+    panels_only = CPULinear(head, LinearPlan(True, False, BOTH.small_m, "test"))
+    assert panels_only.onednn_weight is None
+    _check_float32_logits(panels_only, head, x0, a, b, g)
     _needs_native_onednn(torch.bfloat16)
     packed = CPULinear(head, BOTH)
     assert packed.panels is not None and packed.onednn_weight is not None
+    _check_float32_logits(packed, head, x0, a, b, g)
+
+
+def _check_float32_logits(packed, head, x0, a, b, g):
+    k = x0.numel()
     for m in (1, 4, 5, 32, 33, 64):  # panels up to 4 rows; above, the tiles up to 32 rows, oneDNN past them
         x = x0.repeat(m, 1) + 1e-3 * torch.randn(m, k, generator=g)
         out, ref = packed(x), _reference(x, head)
@@ -328,6 +338,14 @@ def test_float32_x_over_half_weights_gets_its_own_measured_crossover(tmp_path, m
     # Where both crossovers agree, the plan says so once.
     monkeypatch.setattr(linear, "_measure_small_m", lambda dtype, shapes, x_dtype=None: 16)
     assert plan_for("auto", torch.bfloat16, [(96, 32)]).float32_small_m is None
+    # Where the panels are never beaten (no oneDNN weight is kept), bf16's float32 x is still measured: AVX-512
+    # BF16's dot products take it without one. fp16 has no such path.
+    monkeypatch.setattr(linear, "_measure_small_m", lambda dtype, shapes, x_dtype=None: 2 if x_dtype else NEVER)
+    never = plan_for("auto", torch.bfloat16, [(128, 32)])
+    assert never == LinearPlan(True, False, NEVER, "measured", float32_small_m=2)
+    assert never.describe() == "the panel kernel for every row count (float32 x: up to 2)"
+    assert CPULinear(head, never).small_m == 2
+    assert plan_for("auto", torch.float16, [(128, 32)]) == LinearPlan(True, False, NEVER, "measured")
 
 
 def test_the_measured_choice_is_cached_per_machine_and_shapes(tmp_path, monkeypatch):

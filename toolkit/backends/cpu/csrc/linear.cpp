@@ -128,20 +128,32 @@ Tensor float32_io_onednn(const Tensor& x, const Tensor& panels, const Tensor& we
     return out;
 }
 
-#if AMX_PANELS
-// Up to AMX_ROWS rows, float32 x over paired bf16 panels: x rounded to bf16 through AMX's tiles, which
-// write float32 sums (no rounding of the output), then the near-top entries recomputed. One block of the
-// tiles' rows reads each panel once; above it oneDNN's bf16 matmul is the faster (docs/benchmarks.md).
+#if PAIRED_BF16
+// Float32 x over paired bf16 panels on the bf16 units: x rounded to bf16, through AMX's tiles or, where
+// their tiles are not granted (Zen 4), AVX-512 BF16's dot products (panel_linear), which both write
+// float32 sums (no rounding of the output); then the near-top entries recomputed. On AMX one block of
+// the tiles' rows (AMX_ROWS) reads each panel once, and above it oneDNN's bf16 matmul is the faster
+// (docs/benchmarks.md); the dot products keep up with oneDNN at the row counts a step's logits have.
 constexpr int64_t AMX_ROWS = 32;
 
-Tensor float32_io_amx(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias, int64_t M, int64_t N,
-                      int64_t K) {
+// Not below AMX_K (the FMA path, as for bf16 x), nor for so few panels (an MoE router's) that the
+// near-top entries' panels are all of them: the recomputation would be the FMA path over again.
+bool float32_io_on_bf16_units(int64_t M, int64_t N, int64_t K) {
+    if (K < AMX_K || N <= EXACT_MAX * NR) return false;
+#if AMX_PANELS
+    if (amx_ready()) return M <= AMX_ROWS;
+#endif
+    return true;
+}
+
+Tensor float32_io_paired(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias, int64_t M,
+                         int64_t N, int64_t K) {
     Tensor xh = rounded_x<uint16_t>(x, panels, M, K, M);
     Tensor out = empty_as(x, {M, N});
     float* o = static_cast<float*>(out.data_ptr());
     const uint16_t* pw = static_cast<const uint16_t*>(panels.data_ptr());
     const uint16_t* b = bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
-    linear_amx(static_cast<const uint16_t*>(xh.data_ptr()), K, pw, b, o, M, N, K);
+    panel_linear<uint16_t>(xh.data_ptr(), K, pw, b, nullptr, o, M, N, K);
     refine_near_top(static_cast<const float*>(x.data_ptr()), x.stride(0), pw, b, (const float*)nullptr, o, M, N, K);
     return out;
 }
@@ -154,9 +166,9 @@ Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> 
     STD_TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_cpu: x must be [M, K] with unit stride in K, got ", shape(x));
     const int64_t M = x.size(0), K = x.size(1);
     const ScalarType w_type = (panels ? *panels : *onednn_weight).scalar_type();
-    // float32 x with half panels: float32 out, from the panel kernel up to small_m rows, above from AMX's
-    // tiles (float32_io_amx) or oneDNN (float32_io_onednn) with each row's entries near its maximum
-    // recomputed in float32.
+    // float32 x with half panels: float32 out, from the panel kernel up to small_m rows, above from the
+    // bf16 units (float32_io_paired: AMX's tiles, AVX-512 BF16's dot products) or oneDNN
+    // (float32_io_onednn) with each row's entries near its maximum recomputed in float32.
     const bool float32_io = x.scalar_type() == ScalarType::Float && w_type != ScalarType::Float;
     STD_TORCH_CHECK(x.scalar_type() == w_type || (float32_io && panels),
                     "linear_cpu: x must be in the weights' dtype, or float32 with half panels");
@@ -169,9 +181,9 @@ Tensor linear_cpu(Tensor x, std::optional<Tensor> panels, std::optional<Tensor> 
                         0 < out_features && out_features <= panels->size(0) * NR,
                     "linear_cpu: x ", shape(x), " and out_features ", out_features, " do not fit panels ",
                     shape(*panels), " (contiguous [ceil(N / 16), K, 16])");
-#if AMX_PANELS
-    if (float32_io && M > small_m && M <= AMX_ROWS && kind == BF16 && amx_ready())
-        return float32_io_amx(x, *panels, bias, M, out_features, K);
+#if PAIRED_BF16
+    if (float32_io && M > small_m && kind == BF16 && float32_io_on_bf16_units(M, out_features, K))
+        return float32_io_paired(x, *panels, bias, M, out_features, K);
 #endif
     if (onednn_weight && float32_io && M > small_m) {
         return kind == BF16 ? float32_io_onednn<uint16_t>(x, *panels, *onednn_weight, bias, M, out_features, K)

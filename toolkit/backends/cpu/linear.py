@@ -117,7 +117,7 @@ def choose(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> LinearPlan:
         # rounded, the near-top entries recomputed): AMX's tiles, AVX-512 BF16's dot products (which need
         # no oneDNN weight, hence measured for "never" too) or oneDNN.
         float32_small_m = _measure_small_m(dtype, shapes, torch.float32) \
-            if 0 < small_m and (small_m < NEVER and dtype != torch.float32 or dtype == torch.bfloat16) else None
+            if dtype != torch.float32 and 0 < small_m and (small_m < NEVER or dtype == torch.bfloat16) else None
         log.info("measured the CPU linear kernels on the model's shapes in %.1f s", time.perf_counter() - start)
         return {"panels": small_m > 0, "onednn": small_m < NEVER, "small_m": small_m,
                 "float32_small_m": None if float32_small_m == small_m else float32_small_m}

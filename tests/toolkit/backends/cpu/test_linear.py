@@ -195,7 +195,8 @@ def test_float32_logits_over_bf16_weights_are_float32_where_they_compete():
 
 def _check_float32_logits(packed, head, x0, a, b, g):
     k = x0.numel()
-    for m in (1, 4, 5, 32, 33, 64):  # panels up to 4 rows; above, the tiles up to 32 rows, oneDNN past them
+    # Panels up to 4 rows; above, the bf16 units (AMX's tiles up to 32 rows, the dot products), else oneDNN.
+    for m in (1, 4, 5, 32, 33, 64):
         x = x0.repeat(m, 1) + 1e-3 * torch.randn(m, k, generator=g)
         out, ref = packed(x), _reference(x, head)
         assert out.dtype == torch.float32
